@@ -1,0 +1,29 @@
+"""gradzip: communication-efficient distributed training.
+
+Sub-packages (one import package so that a single ``pip install`` gives every part and the
+parts share one registry, one units parser and one cost model):
+
+- :mod:`gradzip.compress`    compressors, error feedback, the registry of specs
+- :mod:`gradzip.comm`        the Communicator contract and its backends (sim, torch, mpi)
+- :mod:`gradzip.engine`      attaches compression + communication to any ``nn.Module``
+- :mod:`gradzip.models`      BERT for masked-LM pretraining
+- :mod:`gradzip.data`        corpus, tokenizer and example pipeline
+- :mod:`gradzip.experiments` ``gradzip train``/``sweep``/``run``, specs
+- :mod:`gradzip.plots`       figures and results tables
+- :mod:`gradzip.netem`       network testbed (namespaces + tc) and the cluster simulator
+"""
+
+__version__ = "0.1.0"
+
+
+def ddp_hook(spec: str, process_group=None):
+    """Return ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
+
+    Example::
+
+        state, hook = gradzip.ddp_hook("topk:ratio=0.01,ef=true")
+        ddp_model.register_comm_hook(state, hook)
+    """
+    from gradzip.engine.ddp import ddp_hook as _ddp_hook
+
+    return _ddp_hook(spec, process_group=process_group)

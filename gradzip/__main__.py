@@ -1,0 +1,5 @@
+import sys
+
+from gradzip.cli import main
+
+sys.exit(main())

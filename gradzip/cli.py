@@ -1,0 +1,74 @@
+"""The ``gradzip`` command. Each sub-command lives in its own module, imported on use, which
+provides ``add_arguments(parser)`` and ``run(args) -> int``.
+
+Bad input anywhere raises :class:`gradzip.errors.GradzipError`: printed as one line
+(``gradzip: error: ...``), exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from gradzip.errors import GradzipError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("gradzip.experiments.train_cli", "pretrain BERT under a compressor and backend"),
+    "sweep": ("gradzip.experiments.sweep", "run every cell of an experiment spec (TOML)"),
+    "run": ("gradzip.experiments.run_cli", "run a spec that ships with gradzip (--list to list them)"),
+    "plot": ("gradzip.plots.cli", "draw figures and the results table of a run or sweep"),
+    "bench": ("gradzip.bench", "benchmarks: compress, engine, train"),
+    "ls": ("gradzip.compress.ls_cli", "list the registered compressors"),
+    "simulate": ("gradzip.netem.simulate", "predict step time of a large cluster (cost model)"),
+    "netem": ("gradzip.netem.cli", "emulated hosts with shaped links (namespaces + tc)"),
+    "env": ("gradzip.env", "print versions and available backends (for bug reports)"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gradzip import __version__
+
+    parser = _Parser(prog="gradzip", description="Communication-efficient distributed training.")
+    parser.add_argument("--version", action="version", version=f"gradzip {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        # Sub-commands whose module is missing (optional parts) still show in --help.
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("gradzip"):
+                raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        code = importlib.import_module(args._module).run(args)
+    except GradzipError as e:
+        sys.stderr.write(f"gradzip {args.command}: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("gradzip: interrupted\n")
+        return 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The Communicator contract.
+
+A Communicator is one rank's view of a group of ``world_size`` ranks. Backends: ``sim``
+(N virtual workers in one process, :mod:`gradzip.comm.sim`), ``torch`` (Gloo/NCCL,
+:mod:`gradzip.comm.torch_backend`) and ``mpi`` (mpi4py, :mod:`gradzip.comm.mpi_backend`).
+
+Contract (every backend):
+
+- ``allreduce_async(t, op)`` reduces ``t`` **in place** over ranks (``op`` is ``"sum"`` or
+  ``"mean"``); ``wait()`` returns ``t``. Any dtype the backend can add (fp32, fp16, bf16, fp64,
+  int32, int64).
+- ``allgather_async(t)``: every rank may pass a tensor of a different shape (same dtype);
+  ``wait()`` returns the list of the ranks' tensors, indexed by rank, shapes preserved. Any dtype,
+  including packed ``uint8`` bits.
+- ``broadcast_async(t, src)`` overwrites ``t`` in place with ``src``'s tensor.
+- ``barrier()``.
+- The synchronous forms are ``op_async(...).wait()``.
+- Every call records in ``self.stats`` the bytes this rank sends and receives, by the algorithm
+  formulas of :mod:`gradzip.comm.cost` (so all backends count identically), and the time it took:
+  measured wall time for real backends, modelled α–β time for ``sim`` (``clock == "modelled"``).
+- Every init and collective has a timeout (``timeout`` seconds, default 300). On expiry, or when a
+  peer dies, the call raises :class:`gradzip.errors.CommError` naming the operation and the rank
+  that was lost, never hangs silently.
+- Calls are issued in the same order on every rank (as with MPI/NCCL).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from torch import Tensor
+
+ReduceOp = Literal["sum", "mean"]
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class OpTotals:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Running totals for one rank. ``snapshot()`` then ``since(snap)`` gives per-step deltas."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+    by_op: dict[str, OpTotals] = field(default_factory=dict)
+
+    def record(self, op: str, sent: int, recv: int, seconds: float) -> None:
+        self.bytes_sent += sent
+        self.bytes_recv += recv
+        self.seconds += seconds
+        self.calls += 1
+        t = self.by_op.setdefault(op, OpTotals())
+        t.calls += 1
+        t.bytes_sent += sent
+        t.bytes_recv += recv
+        t.seconds += seconds
+
+    def snapshot(self) -> tuple[int, int, float, int]:
+        return (self.bytes_sent, self.bytes_recv, self.seconds, self.calls)
+
+    def since(self, snap: tuple[int, int, float, int]) -> dict[str, float]:
+        return {
+            "bytes_sent": self.bytes_sent - snap[0],
+            "bytes_recv": self.bytes_recv - snap[1],
+            "seconds": self.seconds - snap[2],
+            "calls": self.calls - snap[3],
+        }
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_recv = self.calls = 0
+        self.seconds = 0.0
+        self.by_op.clear()
+
+
+class Handle(ABC):
+    """An outstanding collective. ``wait()`` blocks (up to the communicator's timeout)."""
+
+    @abstractmethod
+    def wait(self) -> Any:
+        """Block until done; return the result (see the op). Raises CommError on failure."""
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class DoneHandle(Handle):
+    """A handle whose result is already there (synchronous backends, world size 1)."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Communicator(ABC):
+    """One rank's endpoint. See the module docstring for the contract."""
+
+    backend: ClassVar[str] = ""
+    clock: ClassVar[Literal["measured", "modelled"]] = "measured"
+
+    def __init__(self, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.stats = CommStats()
+
+    # -- the contract ---------------------------------------------------------------
+    @abstractmethod
+    def allreduce_async(self, tensor: Tensor, op: ReduceOp = "sum") -> Handle: ...
+
+    @abstractmethod
+    def allgather_async(self, tensor: Tensor) -> Handle: ...
+
+    @abstractmethod
+    def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:
+        """Release resources. Idempotent."""
+
+    # -- synchronous forms ----------------------------------------------------------
+    def allreduce(self, tensor: Tensor, op: ReduceOp = "sum") -> Tensor:
+        return self.allreduce_async(tensor, op).wait()
+
+    def allgather(self, tensor: Tensor) -> list[Tensor]:
+        return self.allgather_async(tensor).wait()
+
+    def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
+        return self.broadcast_async(tensor, src).wait()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank {self.rank}/{self.world_size}>"
+
+
+def nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Stopwatch:
+    """Measures one call's wall time for the stats."""
+
+    __slots__ = ("t0",)
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0

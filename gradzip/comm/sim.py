@@ -1,0 +1,210 @@
+"""``sim``: N virtual workers inside one process.
+
+:class:`SimWorld` owns ``n`` :class:`SimCommunicator` endpoints. The i-th collective issued by
+every endpoint forms one operation; it completes when the last worker launches it, and its result
+is then exactly what the real collective computes (sum/mean in fp32 and cast back, allgather of
+per-rank shapes, broadcast of the root's tensor).
+
+Two ways to drive it:
+
+- single-threaded (default, what the engine does): every worker *launches* an async collective
+  before any worker *waits* on it. Waiting on an operation that some worker has not launched yet is
+  an error naming those workers, never a hang.
+- ``threaded=True``: one thread per worker; ``wait()`` blocks until the others arrive, up to the
+  timeout, and then names the workers that never came.
+
+Time is a virtual clock: each operation is charged its α–β time from :mod:`gradzip.comm.cost` for
+the world's :class:`Link` (``clock == "modelled"``). Bytes are counted with the same formulas as
+the real backends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradzip.comm import cost
+from gradzip.comm.base import DEFAULT_TIMEOUT_S, Communicator, Handle, ReduceOp, nbytes
+from gradzip.errors import CommError, CommTimeout
+from gradzip.units import parse_bandwidth, parse_latency
+
+
+class _Op:
+    __slots__ = ("kind", "arg", "inputs", "results", "done", "modelled_s")
+
+    def __init__(self, kind: str, arg: Any, n: int) -> None:
+        self.kind = kind
+        self.arg = arg  # reduce op or broadcast src
+        self.inputs: list[Tensor | None] = [None] * n
+        self.results: list[Any] = [None] * n
+        self.done = False
+        self.modelled_s = 0.0
+
+
+class SimHandle(Handle):
+    def __init__(self, world: SimWorld, seq: int, rank: int) -> None:
+        self.world, self.seq, self.rank = world, seq, rank
+
+    @property
+    def modelled_s(self) -> float:
+        """The operation's modelled duration (valid once completed)."""
+        return self.world._ops_done_time.get(self.seq, 0.0)
+
+    def is_completed(self) -> bool:
+        op = self.world._ops.get(self.seq)
+        return op is None or op.done
+
+    def wait(self) -> Any:
+        return self.world._wait(self.seq, self.rank)
+
+
+class SimWorld:
+    """``n`` virtual workers connected by a modelled link."""
+
+    def __init__(self, n: int, bandwidth: str | float = "1gbit", latency: str | float = "50us",
+                 timeout: float = DEFAULT_TIMEOUT_S, threaded: bool = False) -> None:
+        if n < 1:
+            raise ValueError(f"sim world size must be >= 1, got {n}")
+        self.n = n
+        self.link = cost.Link(parse_bandwidth(bandwidth), parse_latency(latency))
+        self.timeout = timeout
+        self.threaded = threaded
+        self._ops: dict[int, _Op] = {}
+        self._ops_done_time: dict[int, float] = {}
+        self._cond = threading.Condition()
+        self.comms = [SimCommunicator(self, r) for r in range(n)]
+
+    def __getitem__(self, rank: int) -> SimCommunicator:
+        return self.comms[rank]
+
+    def __iter__(self):
+        return iter(self.comms)
+
+    def __len__(self) -> int:
+        return self.n
+
+    # -- matching -------------------------------------------------------------------
+    def _launch(self, rank: int, kind: str, tensor: Tensor | None, arg: Any = None) -> SimHandle:
+        comm = self.comms[rank]
+        seq = comm._seq
+        comm._seq += 1
+        with self._cond:
+            op = self._ops.get(seq)
+            if op is None:
+                op = self._ops[seq] = _Op(kind, arg, self.n)
+            elif (op.kind, op.arg) != (kind, arg):
+                raise CommError(f"sim: collective #{seq} mismatch: rank {rank} called {kind}({arg}) "
+                                f"but another rank called {op.kind}({op.arg})")
+            op.inputs[rank] = tensor if tensor is not None else torch.empty(0)
+            if all(x is not None for x in op.inputs):
+                self._complete(seq, op)
+                self._cond.notify_all()
+        return SimHandle(self, seq, rank)
+
+    def _wait(self, seq: int, rank: int) -> Any:
+        with self._cond:
+            op = self._ops.get(seq)
+            if op is None:
+                raise CommError(f"sim: collective #{seq} on rank {rank} was already consumed")
+            if not op.done:
+                if not self.threaded:
+                    missing = [r for r, x in enumerate(op.inputs) if x is None]
+                    raise CommError(f"sim: {op.kind} #{seq}: rank {rank} waited before rank(s) {missing} "
+                                    "launched it; launch on every worker before waiting")
+                deadline = time.monotonic() + self.timeout
+                while not op.done:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = [r for r, x in enumerate(op.inputs) if x is None]
+                        raise CommTimeout(f"sim: {op.kind} #{seq} timed out after {self.timeout:g}s on rank "
+                                          f"{rank}: lost rank(s) {missing}")
+                    self._cond.wait(left)
+            result = op.results[rank]
+            op.results[rank] = None
+            op.inputs[rank] = None
+            if all(x is None for x in op.inputs):  # every rank has collected: free it
+                del self._ops[seq]
+            return result
+
+    def _complete(self, seq: int, op: _Op) -> None:
+        ins: list[Tensor] = op.inputs  # type: ignore[assignment]
+        n, link = self.n, self.link
+        if op.kind == "allreduce":
+            acc = ins[0].to(torch.float64 if ins[0].dtype == torch.float64 else torch.float32).clone()
+            for t in ins[1:]:
+                acc += t
+            if op.arg == "mean":
+                acc /= n
+            for t in ins:
+                t.copy_(acc)
+            op.results = list(ins)
+            size = nbytes(ins[0])
+            op.modelled_s = cost.allreduce_time(size, n, link)
+            for r in range(n):
+                s = cost.allreduce_bytes(size, n)
+                self.comms[r].stats.record("allreduce", s, s, op.modelled_s)
+        elif op.kind == "allgather":
+            sizes = [nbytes(t) for t in ins]
+            op.modelled_s = cost.allgather_time(sizes, link)
+            op.results = [[t.clone() for t in ins] for _ in range(n)]
+            for r in range(n):
+                s, rcv = cost.allgather_bytes(sizes, r)
+                self.comms[r].stats.record("allgather", s, rcv, op.modelled_s)
+        elif op.kind == "broadcast":
+            src = op.arg
+            for r, t in enumerate(ins):
+                if r != src:
+                    t.copy_(ins[src])
+            op.results = list(ins)
+            size = nbytes(ins[src])
+            op.modelled_s = cost.broadcast_time(size, n, link)
+            for r in range(n):
+                s, rcv = cost.broadcast_bytes(size, n, r, src)
+                self.comms[r].stats.record("broadcast", s, rcv, op.modelled_s)
+        else:  # barrier
+            op.results = [None] * n
+            op.modelled_s = cost.barrier_time(n, link)
+            for r in range(n):
+                self.comms[r].stats.record("barrier", 0, 0, op.modelled_s)
+            if not self.threaded:  # nobody waits on a single-threaded barrier: free it now
+                del self._ops[seq]
+        self._ops_done_time[seq] = op.modelled_s
+        if len(self._ops_done_time) > 4096:  # bounded: only recent ops are asked about
+            for k in sorted(self._ops_done_time)[:2048]:
+                del self._ops_done_time[k]
+        op.done = True
+
+
+class SimCommunicator(Communicator):
+    """One virtual worker's endpoint in a :class:`SimWorld`."""
+
+    backend = "sim"
+    clock = "modelled"
+
+    def __init__(self, world: SimWorld, rank: int) -> None:
+        super().__init__(rank, world.n, world.timeout)
+        self.world = world
+        self._seq = 0
+
+    def allreduce_async(self, tensor: Tensor, op: ReduceOp = "sum") -> Handle:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'mean'")
+        return self.world._launch(self.rank, "allreduce", tensor, op)
+
+    def allgather_async(self, tensor: Tensor) -> Handle:
+        return self.world._launch(self.rank, "allgather", tensor)
+
+    def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast src {src} out of range for world size {self.world_size}")
+        return self.world._launch(self.rank, "broadcast", tensor, src)
+
+    def barrier(self) -> None:
+        # Single-threaded: a barrier cannot block, so it is charged and left for the others.
+        h = self.world._launch(self.rank, "barrier", None)
+        if self.world.threaded:
+            h.wait()

@@ -1,0 +1,179 @@
+"""The compressor contract.
+
+A compressor turns one gradient tensor into a *payload* (a tuple of tensors that cross the wire)
+plus a local *context*, and turns a payload back into a tensor of the original shape and dtype.
+
+Protocol, as driven by :class:`gradzip.compress.exchange.Exchange`::
+
+    payload, ctx = c.compress(x, key)                # round 0
+    for r in range(1, c.rounds):                     # multi-round compressors (PowerSGD)
+        payload = collective(payload)                # allreduce-mean of every payload tensor
+        payload, ctx = c.next_round(payload, ctx)
+    if c.collective == "allreduce":
+        out = c.decompress(allreduce_mean(payload), ctx)
+    else:                                            # "allgather"
+        out = c.aggregate([c.decompress(p, ctx) for p in allgather(payload)])
+
+Rules every compressor follows:
+
+- ``collective == "allreduce"`` only if the elementwise *mean* of the ranks' payloads decompresses
+  to the mean of the ranks' reconstructions (linear codes: casts, shared-seed random-k, PowerSGD).
+- For ``allgather`` compressors, ``ctx`` holds only what every rank knows identically (shape,
+  dtype, numel): it is used to decompress *other* ranks' payloads.
+- ``payload_bytes(shape, dtype)`` is exact: it equals the sum of ``t.numel() * t.element_size()``
+  over the payload tensors of every round.
+- Everything that persists between steps (error memory, PowerSGD's Q, RNG counters) is keyed by
+  the ``key`` argument and returned by ``state_dict()``; values are tensors, numbers, strings,
+  lists and dicts only, so checkpoints load with ``torch.load(weights_only=True)``.
+- Compressors know nothing of communicators or backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+Payload = tuple[Tensor, ...]
+Collective = Literal["allreduce", "allgather"]
+
+
+@dataclasses.dataclass
+class NoConfig:
+    """Config of a compressor without parameters."""
+
+
+class Compressor(ABC):
+    """Base class. Subclasses set the class attributes and implement the abstract methods.
+
+    Class attributes:
+        name: registry name (set by :func:`gradzip.compress.registry.register`).
+        collective: ``"allreduce"`` or ``"allgather"``, see module docstring.
+        biased: whether E[decompress(compress(x))] != x.
+        description: one line for ``gradzip ls``.
+        Config: a dataclass of parameters; its ``__post_init__`` validates ranges.
+        default_ef: wrap in error feedback unless the spec says ``ef=false``.
+        rounds: number of communication rounds (PowerSGD: 2).
+        lossless: decompress(compress(x)) == x exactly (used by the generic tests).
+    """
+
+    name: ClassVar[str] = ""
+    collective: ClassVar[Collective] = "allreduce"
+    biased: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+    Config: ClassVar[type] = NoConfig
+    default_ef: ClassVar[bool] = False
+    rounds: ClassVar[int] = 1
+    lossless: ClassVar[bool] = False
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    # ----------------------------------------------------------------- single tensor
+    @abstractmethod
+    def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:
+        """Encode ``tensor`` (any shape; fp32, fp16 or bf16). Does not modify ``tensor``."""
+
+    def next_round(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
+        """Multi-round compressors: produce the next round's payload from the reduced one."""
+        raise NotImplementedError(f"{self.name} is a single-round compressor")
+
+    @abstractmethod
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        """Decode a payload into a tensor of the original shape and dtype."""
+
+    def aggregate(self, tensors: list[Tensor]) -> Tensor:
+        """Combine the ranks' decompressed tensors (allgather compressors). Default: mean."""
+        out = tensors[0].clone()
+        for t in tensors[1:]:
+            out += t
+        return out.div_(len(tensors))
+
+    @abstractmethod
+    def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
+        """Exact payload bytes, summed over all rounds, for one tensor of ``shape``."""
+
+    # ----------------------------------------------------------------- buckets
+    # The engine hands a compressor a whole bucket. Element-wise compressors see it as one flat
+    # tensor (the default below); PowerSGD overrides these to work per matrix, batched by shape.
+    def compress_batch(self, tensors: Sequence[Tensor], key: str = "") -> tuple[Payload, Any]:
+        flat = flatten(tensors)
+        payload, ctx = self.compress(flat, key)
+        return payload, _BatchCtx(ctx, [t.shape for t in tensors])
+
+    def next_round_batch(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
+        payload, inner = self.next_round(reduced, ctx.inner)
+        return payload, _BatchCtx(inner, ctx.shapes)
+
+    def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
+        return unflatten(self.decompress(payload, ctx.inner), ctx.shapes)
+
+    def batch_payload_bytes(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
+        """Exact payload bytes for a bucket of tensors with these shapes."""
+        return self.payload_bytes(sum(_numel(s) for s in shapes), dtype)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that persists between steps. Stateless compressors return ``{}``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.name} is stateless but got state keys {sorted(state)}")
+
+    # ----------------------------------------------------------------- misc
+    @property
+    def spec(self) -> str:
+        """Canonical spec string, e.g. ``topk:ratio=0.01``; parses back to an equal compressor."""
+        params = ",".join(f"{f.name}={_fmt(getattr(self.config, f.name))}" for f in dataclasses.fields(self.config))
+        return f"{self.name}:{params}" if params else self.name
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec}>"
+
+
+@dataclasses.dataclass
+class _BatchCtx:
+    inner: Any
+    shapes: list[torch.Size]
+
+
+def _numel(shape: Sequence[int] | int) -> int:
+    if isinstance(shape, int):
+        return shape
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def numel_of(shape: Sequence[int] | int) -> int:
+    """Number of elements of a shape (or an int, returned as is)."""
+    return _numel(shape)
+
+
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """One contiguous 1-D tensor (a copy, unless there is exactly one contiguous tensor)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """Views of ``flat`` with the given shapes."""
+    out, offset = [], 0
+    for s in shapes:
+        n = _numel(s)
+        out.append(flat[offset:offset + n].view(s))
+        offset += n
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)

@@ -1,0 +1,117 @@
+"""Error feedback (EF), a wrapper usable with any compressor.
+
+Algorithm (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019), per key:
+
+1. compensated = gradient + memory
+2. payload = inner.compress(compensated)
+3. transmitted = inner.decompress(own final payload)  (what this rank contributed)
+4. memory = compensated − transmitted                   (the new residual)
+
+Invariant: ``compensated == transmitted + memory``. For multi-round compressors (PowerSGD), steps
+3–4 happen on the last round's local payload (P Q_localᵀ), as in Vogels et al. 2019.
+
+The memory is kept in fp32 whatever the gradient's dtype, so that small residuals of bf16/fp16
+gradients are not rounded away; the output is cast back to the gradient's dtype.
+Spelling: ``"topk:ratio=0.01,ef=true"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradzip.compress.base import Compressor, Payload
+
+
+@dataclass
+class _EFCtx:
+    inner: Any
+    key: str
+    compensated: list[Tensor] | None  # kept only until the last round for multi-round inners
+    dtypes: list[torch.dtype]
+    round: int = 0
+
+
+class ErrorFeedback(Compressor):
+    """Wraps ``inner``; holds one fp32 residual list per key."""
+
+    def __init__(self, inner: Compressor) -> None:
+        super().__init__(inner.config)
+        self.inner = inner
+        self.memory: dict[str, list[Tensor]] = {}
+        # Mirror the inner compressor's declarations; EF makes any compressor biased-but-convergent.
+        self.name = inner.name
+        self.collective = inner.collective
+        self.rounds = inner.rounds
+        self.biased = inner.biased
+        self.lossless = inner.lossless
+        self.description = inner.description
+        self.Config = inner.Config
+
+    @property
+    def spec(self) -> str:
+        base = self.inner.spec
+        return f"{base}{',' if ':' in base else ':'}ef=true"
+
+    # Single tensors go through the batch path with one element.
+    def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:
+        return self.compress_batch([tensor], key)
+
+    def next_round(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
+        return self.next_round_batch(reduced, ctx)
+
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        return self.decompress_batch(payload, ctx)[0]
+
+    def compress_batch(self, tensors: Sequence[Tensor], key: str = "") -> tuple[Payload, Any]:
+        mem = self.memory.get(key)
+        if mem is None or [m.shape for m in mem] != [t.shape for t in tensors]:
+            mem = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
+            self.memory[key] = mem
+        # Fresh tensors: the inner payload may alias them (``none``), and the exchange reduces the
+        # payload in place after the memory has been updated.
+        compensated = [m + t for m, t in zip(mem, tensors)]
+        payload, inner_ctx = self.inner.compress_batch(compensated, key)
+        ctx = _EFCtx(inner_ctx, key, compensated, [t.dtype for t in tensors])
+        if self.inner.rounds == 1:
+            self._update_memory(payload, ctx)
+        return payload, ctx
+
+    def next_round_batch(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
+        payload, inner_ctx = self.inner.next_round_batch(reduced, ctx.inner)
+        ctx = _EFCtx(inner_ctx, ctx.key, ctx.compensated, ctx.dtypes, ctx.round + 1)
+        if ctx.round == self.inner.rounds - 1:
+            self._update_memory(payload, ctx)
+        return payload, ctx
+
+    def _update_memory(self, payload: Payload, ctx: _EFCtx) -> None:
+        # memory := compensated − transmitted, written into the old memory buffers.
+        transmitted = self.inner.decompress_batch(payload, ctx.inner)
+        for m, c, t in zip(self.memory[ctx.key], ctx.compensated, transmitted):
+            torch.sub(c, t.to(torch.float32), out=m)
+        ctx.compensated = None
+
+    def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
+        out = self.inner.decompress_batch(payload, ctx.inner)
+        return [o.to(d) for o, d in zip(out, ctx.dtypes)]
+
+    def aggregate(self, tensors: list[Tensor]) -> Tensor:
+        return self.inner.aggregate(tensors)
+
+    def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
+        # The inner compressor sees fp32 compensated gradients.
+        return self.inner.payload_bytes(shape, torch.float32)
+
+    def batch_payload_bytes(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
+        return self.inner.batch_payload_bytes(shapes, torch.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "memory": {k: [m.clone() for m in v] for k, v in self.memory.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("inner", {}))
+        self.memory = {k: [m.clone() for m in v] for k, v in state.get("memory", {}).items()}

@@ -1,0 +1,153 @@
+"""Registry of compressors by name, and the spec parser.
+
+A spec is ``NAME`` or ``NAME:key=value,key=value``, e.g. ``"topk:ratio=0.01,ef=true"`` or
+``"powersgd:rank=4,warm_start=true"``. The key ``ef`` is common to all compressors: it wraps the
+compressor in :class:`gradzip.compress.ef.ErrorFeedback` (default: the class's ``default_ef``).
+
+Adding a compressor is one file in ``gradzip/compress/`` with::
+
+    @register("mycomp")
+    class MyComp(Compressor):
+        ...
+
+Every module in the package is imported on first use of the registry, so no list needs editing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import types
+import typing
+from typing import Any
+
+from gradzip.compress.base import Compressor
+from gradzip.errors import SpecError
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+_LOADED = False
+_NOT_COMPRESSORS = {"base", "registry", "exchange", "ef", "bitpack", "select"}
+
+
+def register(name: str):
+    """Class decorator: register a :class:`Compressor` subclass under ``name``."""
+
+    def deco(cls: type[Compressor]) -> type[Compressor]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"compressor {name!r} registered twice ({_REGISTRY[name]} and {cls})")
+        if cls.collective not in ("allreduce", "allgather"):
+            raise ValueError(f"{cls.__name__}.collective must be 'allreduce' or 'allgather'")
+        if not dataclasses.is_dataclass(cls.Config):
+            raise ValueError(f"{cls.__name__}.Config must be a dataclass")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_all() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    import gradzip.compress as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name not in _NOT_COMPRESSORS and not mod.name.startswith("_"):
+            importlib.import_module(f"gradzip.compress.{mod.name}")
+    _LOADED = True
+
+
+def registry() -> dict[str, type[Compressor]]:
+    """Name -> class of every registered compressor, sorted by name."""
+    _load_all()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def _convert(raw: str, typ: Any, name: str, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):  # Optional[int] and friends
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if raw.lower() in ("none", "null", ""):
+            return None
+        typ = args[0]
+    if typ is bool:
+        low = raw.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise SpecError(f"{name}: {key}={raw!r} is not a boolean (use true or false)")
+    try:
+        return typ(raw)
+    except (TypeError, ValueError):
+        raise SpecError(f"{name}: {key}={raw!r} is not a valid {getattr(typ, '__name__', typ)}") from None
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split ``"name:k=v,k2=v2"`` into ``("name", {"k": "v", "k2": "v2"})``."""
+    spec = spec.strip()
+    name, _, rest = spec.partition(":")
+    name = name.strip().lower()
+    params: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise SpecError(f"bad parameter {item!r} in compressor spec {spec!r}: expected key=value")
+        k = k.strip().lower().replace("-", "_")
+        if k in params:
+            raise SpecError(f"parameter {k!r} given twice in compressor spec {spec!r}")
+        params[k] = v.strip()
+    return name, params
+
+
+def create(spec: str | Compressor) -> Compressor:
+    """Build a compressor from a spec string (or return it unchanged if already built).
+
+    Raises :class:`SpecError` naming the valid choices for unknown names, unknown parameters
+    and out-of-range values.
+    """
+    if isinstance(spec, Compressor):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise SpecError(f"empty compressor spec; choose one of: {', '.join(registry())}")
+    name, params = parse_spec(spec)
+    reg = registry()
+    if name not in reg:
+        raise SpecError(f"unknown compressor {name!r}; choose one of: {', '.join(reg)}")
+    cls = reg[name]
+    ef_raw = params.pop("ef", None)
+    ef = cls.default_ef if ef_raw is None else _convert(ef_raw, bool, name, "ef")
+    fields = {f.name: f for f in dataclasses.fields(cls.Config)}
+    hints = _hints(cls.Config)
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        valid = ", ".join([*fields, "ef"])
+        raise SpecError(f"{name}: unknown parameter(s) {', '.join(unknown)}; valid parameters: {valid}")
+    kwargs = {k: _convert(v, hints[k], name, k) for k, v in params.items()}
+    try:
+        config = cls.Config(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise SpecError(f"{name}: {e}") from None
+    comp = cls(config)
+    if ef:
+        from gradzip.compress.ef import ErrorFeedback
+
+        return ErrorFeedback(comp)
+    return comp
+
+
+def describe(cls: type[Compressor]) -> list[tuple[str, str, Any]]:
+    """(name, type name, default) of each parameter of ``cls``, ``ef`` last."""
+    hints = _hints(cls.Config)
+    rows = []
+    for f in dataclasses.fields(cls.Config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append((f.name, getattr(hints[f.name], "__name__", str(hints[f.name])), default))
+    rows.append(("ef", "bool", cls.default_ef))
+    return rows

@@ -1,0 +1,1 @@
+"""Gradient-exchange engine: bucketing, overlap, the sim driver and the DDP adapter."""

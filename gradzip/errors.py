@@ -1,0 +1,17 @@
+"""Errors that reach the user as one line and exit code 2 (see :func:`gradzip.cli.main`)."""
+
+
+class GradzipError(Exception):
+    """Bad input or configuration: printed as one line by the CLI, exit code 2."""
+
+
+class SpecError(GradzipError, ValueError):
+    """A compressor spec, experiment spec or flag value that cannot be parsed or is out of range."""
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer died, timed out, or disagreed. The message names op and rank."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A collective or init did not complete within its timeout."""
