@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("gradzip.experiments.sweep", "run every cell of an experiment spec (TOML)"),
     "run": ("gradzip.experiments.run_cli", "run a spec that ships with gradzip (--list to list them)"),
     "plot": ("gradzip.plots.cli", "draw figures and the results table of a run or sweep"),
-    "bench": ("gradzip.bench", "benchmarks: compress, engine, train"),
+    "bench": ("gradzip.bench.cli", "benchmarks: compress, engine, train"),
     "ls": ("gradzip.compress.ls_cli", "list the registered compressors"),
     "simulate": ("gradzip.netem.simulate", "predict step time of a large cluster (cost model)"),
     "netem": ("gradzip.netem.cli", "emulated hosts with shaped links (namespaces + tc)"),

@@ -1,0 +1,29 @@
+"""``gradzip bench {compress,engine,train}``: each benchmark is a module of this package that
+provides ``add_arguments(parser)`` and ``run(args) -> int``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "compress": ("gradzip.bench.compress", "compress+decompress time of every compressor vs memcpy"),
+    "engine": ("gradzip.bench.engine", "engine overhead and overlap vs torch DDP (multi-process Gloo)"),
+    "train": ("gradzip.bench.train", "tokens/s of BERT models on this machine"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    for name, (module, help_) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_bench_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("gradzip"):
+                raise
+
+
+def run(args: argparse.Namespace) -> int:
+    return importlib.import_module(args._bench_module).run(args)
