@@ -129,8 +129,15 @@ class Compressor(ABC):
     @property
     def spec(self) -> str:
         """Canonical spec string, e.g. ``topk:ratio=0.01``; parses back to an equal compressor."""
-        params = ",".join(f"{f.name}={_fmt(getattr(self.config, f.name))}" for f in dataclasses.fields(self.config))
-        return f"{self.name}:{params}" if params else self.name
+        # Unwrapped, a class that defaults to error feedback must say ef=false, or its spec would
+        # parse back wrapped in EF.
+        return self._spec_with("false" if self.default_ef else None)
+
+    def _spec_with(self, ef: str | None) -> str:
+        params = [f"{f.name}={_fmt(getattr(self.config, f.name))}" for f in dataclasses.fields(self.config)]
+        if ef is not None:
+            params.append(f"ef={ef}")
+        return f"{self.name}:{','.join(params)}" if params else self.name
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec}>"

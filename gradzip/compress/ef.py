@@ -54,8 +54,7 @@ class ErrorFeedback(Compressor):
 
     @property
     def spec(self) -> str:
-        base = self.inner.spec
-        return f"{base}{',' if ':' in base else ':'}ef=true"
+        return self.inner._spec_with("true")
 
     # Single tensors go through the batch path with one element.
     def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:

@@ -1,0 +1,52 @@
+"""``onebit``: scaled sign, 1 bit per element, with error feedback (EF-SignSGD).
+
+Algorithm (Seide et al. 2014; Karimireddy et al. 2019, "Error feedback fixes SignSGD"), per tensor:
+
+1. scale = mean(|g|) over the tensor (fp32), so that scale * sign(g) has the same l1 norm as g.
+2. Payload: the sign bits packed 8 per byte (bit 1 = negative; little-endian bit order) and the
+   scale as one fp32: ceil(n / 8) + 4 bytes, i.e. 32x smaller than fp32 for large n.
+3. Each rank's payload is allgathered (signs cannot be summed bitwise); every rank decodes each
+   payload to scale * (±1) and the ranks' tensors are averaged.
+
+Sign of zero: the float's sign bit decides, so +0 → +scale and -0 → -scale (a 1-bit code cannot
+say 0). Biased; error feedback is on by default (``onebit:ef=false`` turns it off), and with it
+the method converges like SGD; without it, it can stall far from the optimum.
+Tuning: one scale per tensor; the engine compresses a whole bucket as one tensor, so layers with
+very different gradient scales share one scale: a smaller ``bucket_cap_mb`` gives finer scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gradzip.compress.base import Compressor, Payload, numel_of
+from gradzip.compress.bitpack import mean_abs, pack_signs, packed_numel, unpack_signs
+from gradzip.compress.registry import register
+
+
+class SignCode(Compressor):
+    """Shared by ``onebit`` and ``signsgd``: payload (packed sign bits, fp32 scale = mean |g|)."""
+
+    collective = "allgather"
+    biased = True
+
+    def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, tuple[torch.Size, torch.dtype]]:
+        scale = mean_abs(tensor).reshape(1)
+        return (pack_signs(tensor), scale), (tensor.shape, tensor.dtype)
+
+    def decompress(self, payload: Payload, ctx: tuple[torch.Size, torch.dtype]) -> Tensor:
+        shape, dtype = ctx
+        packed, scale = payload
+        return unpack_signs(packed, numel_of(shape), scale, dtype).view(shape)
+
+    def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
+        return packed_numel(numel_of(shape)) + 4
+
+
+@register("onebit")
+class OneBit(SignCode):
+    description = "1-bit sign packed 8/byte + fp32 scale mean|g| (EF-SignSGD); error feedback on by default"
+    default_ef = True

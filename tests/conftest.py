@@ -1,0 +1,12 @@
+"""Shared test settings: single-threaded torch (2-core CI machine, multi-process tests), and
+every test under a timeout (pytest-timeout, see pyproject) so that a hung worker fails a test,
+not the CI run."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("GRADZIP_NO_PROGRESS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
