@@ -36,6 +36,13 @@ class _EFCtx:
     round: int = 0
 
 
+def _unalias(payload: Payload, buffers: Sequence[Tensor]) -> Payload:
+    """Clone payload tensors that share storage with the memory buffers (lossless inners such as
+    ``none`` return a view of their input), since the buffers are overwritten with the residual."""
+    ptrs = {b.untyped_storage().data_ptr() for b in buffers if b.numel()}
+    return tuple(p.clone() if p.numel() and p.untyped_storage().data_ptr() in ptrs else p for p in payload)
+
+
 class ErrorFeedback(Compressor):
     """Wraps ``inner``; holds one fp32 residual list per key."""
 
@@ -71,27 +78,30 @@ class ErrorFeedback(Compressor):
         if mem is None or [m.shape for m in mem] != [t.shape for t in tensors]:
             mem = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
             self.memory[key] = mem
-        # Fresh tensors: the inner payload may alias them (``none``), and the exchange reduces the
-        # payload in place after the memory has been updated.
-        compensated = [m + t for m, t in zip(mem, tensors)]
-        payload, inner_ctx = self.inner.compress_batch(compensated, key)
-        ctx = _EFCtx(inner_ctx, key, compensated, [t.dtype for t in tensors])
+        # The memory buffers become the compensated gradient in place (no per-step allocation) and
+        # go back to holding the residual in _update_memory.
+        for m, t in zip(mem, tensors):
+            m.add_(t)
+        payload, inner_ctx = self.inner.compress_batch(mem, key)
+        payload = _unalias(payload, mem)
+        ctx = _EFCtx(inner_ctx, key, mem, [t.dtype for t in tensors])
         if self.inner.rounds == 1:
             self._update_memory(payload, ctx)
         return payload, ctx
 
     def next_round_batch(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
         payload, inner_ctx = self.inner.next_round_batch(reduced, ctx.inner)
+        payload = _unalias(payload, ctx.compensated)
         ctx = _EFCtx(inner_ctx, ctx.key, ctx.compensated, ctx.dtypes, ctx.round + 1)
         if ctx.round == self.inner.rounds - 1:
             self._update_memory(payload, ctx)
         return payload, ctx
 
     def _update_memory(self, payload: Payload, ctx: _EFCtx) -> None:
-        # memory := compensated − transmitted, written into the old memory buffers.
+        # memory := compensated − transmitted, in place.
         transmitted = self.inner.decompress_batch(payload, ctx.inner)
-        for m, c, t in zip(self.memory[ctx.key], ctx.compensated, transmitted):
-            torch.sub(c, t.to(torch.float32), out=m)
+        for m, t in zip(ctx.compensated, transmitted):
+            m.sub_(t)
         ctx.compensated = None
 
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:

@@ -1,0 +1,133 @@
+"""Pieces shared by the real backends (``torch`` and ``mpi``): timed handles that record stats
+exactly as ``sim`` does, the shape header of the variable-size allgather, and error messages.
+
+Accounting: every handle is created with the bytes its op sends/receives by the formulas of
+:mod:`gradzip.comm.cost` (not by what the library happens to put on the wire: padding, headers and
+the size exchange of the variable allgather are not counted, exactly as in ``sim``). Seconds are
+measured from launch to the end of ``wait()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from gradzip.comm.base import Handle
+
+if TYPE_CHECKING:
+    from gradzip.comm.base import Communicator
+
+# Dtype codes for the allgather header; the order is part of the wire format.
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+    torch.uint8, torch.int8, torch.int16, torch.bool, torch.complex64, torch.complex128,
+)
+MAX_NDIM = 8
+HEADER_LEN = 3 + MAX_NDIM  # seq, dtype code, ndim, dims...
+
+
+def encode_header(t: Tensor, seq: int) -> Tensor:
+    """int64 header [seq, dtype code, ndim, d0..d7] describing ``t`` for the allgather."""
+    if t.dim() > MAX_NDIM:
+        raise ValueError(f"allgather supports tensors of at most {MAX_NDIM} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"allgather: unsupported dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[0], h[1], h[2] = seq, DTYPES.index(t.dtype), t.dim()
+    if t.dim():
+        h[3:3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def decode_headers(headers: Tensor, op: str, rank: int) -> tuple[torch.dtype, list[torch.Size]]:
+    """Shapes per rank from the gathered ``(n, HEADER_LEN)`` headers; checks that every rank is at
+    the same collective with the same dtype (a mismatch would otherwise corrupt data silently)."""
+    rows = headers.tolist()
+    seqs = [r[0] for r in rows]
+    if len(set(seqs)) != 1:
+        raise_mismatch(op, rank, "collective numbers", seqs)
+    codes = [r[1] for r in rows]
+    if len(set(codes)) != 1:
+        raise_mismatch(op, rank, "dtypes", [str(DTYPES[c]) if 0 <= c < len(DTYPES) else c for c in codes])
+    shapes = [torch.Size(r[3:3 + r[2]]) for r in rows]
+    return DTYPES[codes[0]], shapes
+
+
+def raise_mismatch(op: str, rank: int, what: str, per_rank: list[Any]) -> None:
+    from gradzip.errors import CommError
+
+    detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(per_rank))
+    raise CommError(f"{op} on rank {rank}: ranks disagree on {what} ({detail}); every rank must issue the same "
+                    "collectives in the same order")
+
+
+def describe(op: str, seq: int, t: Tensor | None = None, extra: str = "") -> str:
+    """'allreduce #7 (4.0 KiB torch.float16, mean)' for error messages."""
+    parts = []
+    if t is not None:
+        parts.append(f"{human_bytes(t.numel() * t.element_size())} {str(t.dtype).replace('torch.', '')}")
+    if extra:
+        parts.append(extra)
+    return f"{op} #{seq}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+class TimedHandle(Handle):
+    """Runs ``finish()`` once on the first ``wait()``, then records (op, sent, recv, launch→end
+    seconds) in the communicator's stats. Later waits return the cached result (or raise the
+    same error again)."""
+
+    def __init__(self, comm: Communicator, op: str, sent: int, recv: int, finish: Callable[[], Any],
+                 t0: float | None = None, poll: Callable[[], bool] | None = None) -> None:
+        self._comm, self._op, self._sent, self._recv = comm, op, sent, recv
+        self._finish: Callable[[], Any] | None = finish
+        self._poll = poll
+        self._t0 = time.perf_counter() if t0 is None else t0
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> Any:
+        if self._error is not None:  # a failed op stays failed
+            raise self._error
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            try:
+                self._result = finish()
+            except BaseException as e:
+                self._error = e
+                raise
+            self._comm.stats.record(self._op, self._sent, self._recv, time.perf_counter() - self._t0)
+        return self._result
+
+    def is_completed(self) -> bool:
+        if self._finish is None or self._error is not None:
+            return True
+        return bool(self._poll()) if self._poll is not None else False
+
+
+def as_contiguous(t: Tensor) -> tuple[Tensor, Callable[[], None] | None]:
+    """(a contiguous tensor to communicate, a write-back to call after an in-place op, or None)."""
+    if t.is_contiguous():
+        return t, None
+    tmp = t.contiguous()
+    return tmp, lambda: t.copy_(tmp)
+
+
+def mean_inplace(t: Tensor, n: int) -> None:
+    """Divide a summed tensor by ``n`` the way ``sim`` does: integer dtypes truncate."""
+    with torch.no_grad():
+        if t.is_floating_point() or t.is_complex():
+            t.div_(n)
+        elif t.dtype != torch.bool:
+            t.copy_(t.to(torch.float64).div_(n))

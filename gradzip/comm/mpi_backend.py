@@ -1,0 +1,410 @@
+"""``mpi``: mpi4py, no torch.distributed.
+
+Start under ``mpirun``/``mpiexec``/``srun --mpi=pmix`` (or ``gradzip train --backend mpi --workers N``)
+and create it with :func:`gradzip.comm.init_communicator` or ``MPICommunicator()``.
+
+Data path:
+
+- CPU tensors go **without copies** through their numpy views (``tensor.numpy()``); a
+  non-contiguous tensor goes through one contiguous copy. Allgather and broadcast move raw bytes
+  (``MPI.BYTE``), so any dtype works, packed ``uint8`` bits and bf16 included.
+- allreduce of fp32/fp64/int*/uint8/complex uses ``MPI.SUM``; bool uses ``MPI.MAX`` on its
+  byte view (any-true, as a torch bool sum). fp16/bf16 have no portable MPI datatype: they travel
+  as 16-bit integers and are summed by a user-defined ``MPI.Op`` that adds them with torch (at the
+  payload's precision at every step, like NCCL/Gloo). So the wire carries 2 bytes per element, as
+  the byte accounting assumes; nothing is upcast.
+- CUDA tensors: passed to MPI directly (through ``__cuda_array_interface__``/DLPack) when the MPI
+  library is CUDA-aware (``MPIX_Query_cuda_support()``; override with
+  ``GRADZIP_MPI_CUDA_AWARE=0|1``), after synchronising the current stream. Otherwise — and always
+  for fp16/bf16 allreduce, whose user-defined op runs on the host — they are staged through pinned
+  host memory.
+- Variable-size allgather: ``Iallgather`` of a fixed-size header (collective number, dtype, shape)
+  on a separate communicator, then ``Iallgatherv`` of the bytes. The header exchange is the one
+  blocking step of the launch; it also catches ranks that are at different collectives or pass
+  different dtypes.
+
+Open MPI progresses nonblocking collectives only inside MPI calls, so a progress thread calls
+``MPI_Improbe`` every millisecond while collectives are in flight (every 20 ms otherwise); that is
+what lets buckets travel while backward runs. It needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default);
+set ``GRADZIP_MPI_PROGRESS_THREAD=0`` to disable it.
+
+Timeouts and lost ranks: ``wait()`` polls ``Test()`` until ``self.timeout``. On expiry (or an MPI
+error), the rank pings every peer on a control communicator for ``diagnose_s`` (2 s); the
+progress thread and every waiting rank answer pings with how many collectives they have launched.
+The :class:`~gradzip.errors.CommTimeout` then names the ranks that did not answer (dead or hung)
+and the live ranks that have not reached the collective. A rank that *exits* is different: Open
+MPI's runtime then terminates the whole job at once and ``mpirun`` names the rank that exited, so
+no rank hangs. Run as ``mpiexec -n N python -m mpi4py -m gradzip ...`` (as ``spawn_local`` does) so
+that an uncaught exception on one rank aborts every rank instead of blocking in ``MPI_Finalize``.
+
+Bytes are accounted with :mod:`gradzip.comm.cost` (the header exchange is not counted, as in
+``sim``); seconds are measured launch → end of ``wait()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gradzip.comm import cost
+from gradzip.comm._common import (
+    HEADER_LEN,
+    TimedHandle,
+    as_contiguous,
+    decode_headers,
+    describe,
+    encode_header,
+    mean_inplace,
+)
+from gradzip.comm.base import DEFAULT_TIMEOUT_S, Communicator, Handle, ReduceOp, nbytes
+from gradzip.errors import CommError, CommTimeout, GradzipError
+
+TAG_PING = 7001
+TAG_PONG = 7100  # + probe id % 10000
+
+
+def import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as e:  # mpi4py missing, or no MPI library to load
+        raise GradzipError(f"backend mpi needs mpi4py and an MPI library ({e}): pip install 'gradzip[mpi]'") from e
+    return MPI
+
+
+def _sum_16bit(dtype: torch.dtype) -> Callable[[Any, Any, Any], None]:
+    """MPI user op: ``inout += in`` for fp16/bf16 carried as 16-bit integers."""
+
+    def op(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        a = np.frombuffer(inbuf, dtype=np.int16)
+        if a.size == 0:
+            return
+        b = np.frombuffer(inoutbuf, dtype=np.int16)
+        torch.from_numpy(b).view(dtype).add_(torch.from_numpy(a).view(dtype))
+
+    return op
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether the loaded MPI library takes CUDA device buffers."""
+    env = os.environ.get("GRADZIP_MPI_CUDA_AWARE")
+    if env in ("0", "1"):
+        return env == "1"
+    import_mpi()
+    for path in _loaded_libmpi():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if hasattr(lib, "MPIX_Query_cuda_support"):  # Open MPI
+            return bool(lib.MPIX_Query_cuda_support())
+        if hasattr(lib, "MPIX_GPU_query_support"):  # MPICH: (gpu_type=MPIX_GPU_SUPPORT_CUDA=0, int*)
+            flag = ctypes.c_int(0)
+            lib.MPIX_GPU_query_support(0, ctypes.byref(flag))
+            return bool(flag.value)
+    return False
+
+
+def _loaded_libmpi() -> list[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libmpi" in line and ".so" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith(("libmpi.", "libmpi_")))
+
+
+class MPICommunicator(Communicator):
+    """mpi4py endpoint; see the module docstring."""
+
+    backend = "mpi"
+
+    def __init__(self, comm: Any = None, timeout: float = DEFAULT_TIMEOUT_S, *, diagnose_s: float = 2.0,
+                 progress_thread: bool | None = None) -> None:
+        MPI = self.MPI = import_mpi()
+        base = comm if comm is not None else MPI.COMM_WORLD
+        super().__init__(base.Get_rank(), base.Get_size(), timeout)
+        # Separate communicators: data collectives, size headers, and the ping channel.
+        self._data, self._meta, self._ctl = base.Dup(), base.Dup(), base.Dup()
+        for c in (self._data, self._meta, self._ctl):
+            c.Set_errhandler(MPI.ERRORS_RETURN)
+        self.diagnose_s = diagnose_s
+        # Busy-poll a waited request for up to 1 ms, unless this host runs more ranks than it has
+        # cores (then polling would take the CPU from the ranks that must make progress).
+        local = base.Split_type(MPI.COMM_TYPE_SHARED)
+        self._spin_s = 1e-3 if local.Get_size() <= (os.cpu_count() or 1) else 0.0
+        local.Free()
+        self._seq = 0  # collectives launched
+        self._waiting = -1  # collective this rank is blocked in (for pings)
+        self._inflight = 0
+        self._broken = False
+        self._closed = False
+        self._probe_id = 0
+        self._ping_lock = threading.Lock()
+        self._pongs: list[Any] = []
+        self._responding = True  # tests switch it off to simulate a hung rank
+        self._ops16 = {torch.float16: MPI.Op.Create(_sum_16bit(torch.float16), commute=True),
+                       torch.bfloat16: MPI.Op.Create(_sum_16bit(torch.bfloat16), commute=True)}
+        self._types = {
+            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T,
+            torch.int64: MPI.INT64_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
+            torch.complex64: MPI.C_FLOAT_COMPLEX, torch.complex128: MPI.C_DOUBLE_COMPLEX,
+        }
+        self._cuda_aware: bool | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if progress_thread is None:
+            progress_thread = os.environ.get("GRADZIP_MPI_PROGRESS_THREAD", "1") != "0"
+        if progress_thread and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            self._thread = threading.Thread(target=self._progress_loop, name=f"gradzip-mpi-progress-{self.rank}",
+                                            daemon=True)
+            self._thread.start()
+        self._wait_req(self._meta.Ibarrier(), -1, "init barrier")
+        atexit.register(self.close)  # the progress thread must stop before mpi4py finalizes MPI
+
+    # -- progress and pings -------------------------------------------------------------
+    def _progress_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._answer_pings()  # MPI_Improbe also drives Open MPI's progress engine
+            except Exception:
+                return
+            self._stop.wait(0.001 if self._inflight else 0.02)
+
+    def _answer_pings(self) -> None:
+        if not self._responding:
+            return
+        MPI = self.MPI
+        with self._ping_lock:
+            while True:
+                status = MPI.Status()
+                msg = self._ctl.Improbe(MPI.ANY_SOURCE, TAG_PING, status)
+                if msg is None:
+                    break
+                ping = np.empty(1, dtype=np.int64)
+                msg.Recv(ping)
+                pong = np.array([ping[0], self._seq, self._waiting], dtype=np.int64)
+                self._pongs.append((self._ctl.Isend(pong, dest=status.Get_source(),
+                                                    tag=TAG_PONG + int(ping[0]) % 10000), pong))
+            self._pongs = [(r, b) for r, b in self._pongs if not r.Test()]
+
+    def _diagnose(self, seq: int) -> str:
+        """Ping every peer for ``diagnose_s`` s; say who did not answer and who is behind."""
+        MPI = self.MPI
+        self._probe_id += 1
+        probe = self._probe_id
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        ping = np.array([probe], dtype=np.int64)
+        sends = [self._ctl.Isend(ping, dest=p, tag=TAG_PING) for p in peers]
+        bufs = {p: np.zeros(3, dtype=np.int64) for p in peers}
+        recvs = {p: self._ctl.Irecv(bufs[p], source=p, tag=TAG_PONG + probe % 10000) for p in peers}
+        answered: dict[int, tuple[int, int]] = {}
+        deadline = time.monotonic() + self.diagnose_s
+        while time.monotonic() < deadline and len(answered) < len(peers):
+            for p, r in recvs.items():
+                if p not in answered and r.Test():
+                    answered[p] = (int(bufs[p][1]), int(bufs[p][2]))
+            self._answer_pings()
+            time.sleep(0.005)
+        for p, r in list(recvs.items()) + list(zip(peers, sends)):
+            if p not in answered:
+                try:
+                    r.Cancel()
+                except MPI.Exception:
+                    pass
+        self._probe_bufs = (ping, bufs, sends, recvs)  # cancelled requests may still refer to them
+        silent = [p for p in peers if p not in answered]
+        behind = {p: v for p, v in answered.items() if v[0] <= seq}
+        parts = []
+        if silent:
+            parts.append(f"rank(s) {silent} not responding for {self.diagnose_s:g} s (dead or hung)")
+        if behind:
+            parts.append("alive but not at this collective yet: " + ", ".join(
+                (f"rank {p} (last launched #{k - 1}" if k else f"rank {p} (launched none")
+                + (f", waiting in #{w})" if w >= 0 else ")") for p, (k, w) in behind.items()))
+        return "; ".join(parts) or "every rank responds and has launched it: the network or MPI library is stuck"
+
+    def _fail(self, desc: str, seq: int, err: BaseException | None) -> None:
+        self._broken = True
+        diag = self._diagnose(seq)
+        if err is None:
+            raise CommTimeout(f"{desc} timed out after {self.timeout:g} s on rank {self.rank}: {diag}")
+        raise CommError(f"{desc} failed on rank {self.rank}: {diag} [mpi: {err}]") from err
+
+    def _wait_req(self, req: Any, seq: int, desc: str) -> None:
+        self._waiting = seq
+        start = time.monotonic()
+        deadline = start + self.timeout
+        try:
+            while not req.Test():
+                now = time.monotonic()
+                if now - start < self._spin_s:  # small collectives finish within a few Test() calls: poll
+                    continue
+                self._answer_pings()
+                if now > deadline:
+                    self._fail(desc, seq, None)
+                time.sleep(min(1e-3, (now - start) / 20))  # then back off, up to 1 ms
+        except self.MPI.Exception as e:
+            self._fail(desc, seq, e)
+        finally:
+            self._waiting = -1
+
+    # -- buffers --------------------------------------------------------------------------
+    def _next(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _device_ok(self, t: Tensor, host_op: bool = False) -> bool:
+        """True: give MPI the tensor's own memory; False: stage a CUDA tensor through the host."""
+        if not t.is_cuda:
+            return True
+        if host_op:
+            return False
+        if self._cuda_aware is None:
+            self._cuda_aware = cuda_aware_mpi()
+        if self._cuda_aware:
+            torch.cuda.current_stream(t.device).synchronize()  # MPI reads outside CUDA's stream order
+        return self._cuda_aware
+
+    def _staged(self, t: Tensor, host_op: bool = False) -> tuple[Tensor, Callable[[], None] | None]:
+        """(contiguous buffer MPI may use, write-back into ``t`` after an in-place op)."""
+        if self._device_ok(t, host_op):
+            return as_contiguous(t)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        return host, lambda: t.copy_(host)
+
+    @staticmethod
+    def _buf(t: Tensor) -> Any:
+        return t.numpy() if t.device.type == "cpu" else t
+
+    def _handle(self, op: str, sent: int, recv: int, req: Any, seq: int, desc: str, t0: float,
+                after: Callable[[], Any]) -> Handle:
+        self._inflight += 1
+
+        def finish() -> Any:
+            try:
+                self._wait_req(req, seq, desc)
+            finally:
+                self._inflight -= 1
+            return after()
+
+        return TimedHandle(self, op, sent, recv, finish, t0, lambda: bool(req.Test()))
+
+    # -- the contract ---------------------------------------------------------------------
+    def allreduce_async(self, tensor: Tensor, op: ReduceOp = "sum") -> Handle:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'mean'")
+        MPI = self.MPI
+        t0 = time.perf_counter()
+        seq = self._next()
+        desc = describe("allreduce", seq, tensor, op)
+        dt = tensor.dtype
+        buf, write_back = self._staged(tensor, host_op=dt in self._ops16)
+        flat = buf.reshape(-1)
+        if dt in self._ops16:
+            spec, mpi_op = [self._buf(flat.view(torch.int16)), MPI.INT16_T], self._ops16[dt]
+        elif dt == torch.bool:
+            spec, mpi_op = [self._buf(flat.view(torch.uint8)), MPI.UINT8_T], MPI.MAX
+        elif dt in self._types:
+            spec, mpi_op = [self._buf(flat), self._types[dt]], MPI.SUM
+        else:
+            raise ValueError(f"mpi allreduce: unsupported dtype {dt}")
+        req = self._data.Iallreduce(MPI.IN_PLACE, spec, mpi_op)
+
+        def after() -> Tensor:
+            if write_back is not None:
+                write_back()
+            if op == "mean":
+                mean_inplace(tensor, self.world_size)
+            return tensor
+
+        s = cost.allreduce_bytes(nbytes(tensor), self.world_size)
+        return self._handle("allreduce", s, s, req, seq, desc, t0, after)
+
+    def allgather_async(self, tensor: Tensor) -> Handle:
+        MPI = self.MPI
+        t0 = time.perf_counter()
+        seq = self._next()
+        desc = describe("allgather", seq, tensor)
+        n = self.world_size
+        header = encode_header(tensor, seq).numpy()
+        headers = np.empty((n, HEADER_LEN), dtype=np.int64)
+        self._wait_req(self._meta.Iallgather(header, headers), seq, desc + " size exchange")
+        dtype, shapes = decode_headers(torch.from_numpy(headers), desc, self.rank)
+        esize = tensor.element_size()
+        sizes = [math.prod(s) * esize for s in shapes]
+        displs = [0]
+        for s in sizes[:-1]:
+            displs.append(displs[-1] + s)
+        sent, recv = cost.allgather_bytes(sizes, self.rank)
+        src, _ = self._staged(tensor)
+        on_device = src.is_cuda
+        out = torch.empty(sum(sizes), dtype=torch.uint8, device=src.device,
+                          pin_memory=tensor.is_cuda and not on_device)
+        send = self._buf(src.reshape(-1).view(torch.uint8))
+        req = self._data.Iallgatherv([send, MPI.BYTE], [self._buf(out), (sizes, displs), MPI.BYTE])
+
+        def after() -> list[Tensor]:
+            full = out.to(tensor.device) if out.device != tensor.device else out
+            return [full[d:d + s].view(dtype).view(shape) for d, s, shape in zip(displs, sizes, shapes)]
+
+        return self._handle("allgather", sent, recv, req, seq, desc, t0, after)
+
+    def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast src {src} out of range for world size {self.world_size}")
+        MPI = self.MPI
+        t0 = time.perf_counter()
+        seq = self._next()
+        desc = describe("broadcast", seq, tensor, f"from rank {src}")
+        buf, write_back = self._staged(tensor)
+        req = self._data.Ibcast([self._buf(buf.reshape(-1).view(torch.uint8)), MPI.BYTE], root=src)
+
+        def after() -> Tensor:
+            if write_back is not None:
+                write_back()
+            return tensor
+
+        sent, recv = cost.broadcast_bytes(nbytes(tensor), self.world_size, self.rank, src)
+        return self._handle("broadcast", sent, recv, req, seq, desc, t0, after)
+
+    def barrier(self) -> None:
+        t0 = time.perf_counter()
+        seq = self._next()
+        self._wait_req(self._data.Ibarrier(), seq, f"barrier #{seq}")
+        self.stats.record("barrier", 0, 0, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Stop the progress thread and free the communicators (not after a failure: freeing may
+        wait on the failed operation). After a failure, first keep answering pings for
+        ``diagnose_s``: once this rank exits, mpirun ends the job, and the other ranks may still be
+        naming the lost ranks. Does not finalize MPI (mpi4py does that at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._broken:
+            end = time.monotonic() + self.diagnose_s + 0.5
+            while time.monotonic() < end:
+                self._answer_pings()
+                time.sleep(0.01)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._broken or self.MPI.Is_finalized():
+            return
+        for c in (self._data, self._meta, self._ctl):
+            c.Free()
+        for o in self._ops16.values():
+            o.Free()

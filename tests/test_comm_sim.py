@@ -1,0 +1,228 @@
+"""The ``sim`` backend and the cost formulas every backend accounts with."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gradzip.comm import SimWorld, cost
+from gradzip.errors import CommError, CommTimeout
+
+# ---------------------------------------------------------------- cost formulas, by hand
+
+
+@pytest.mark.parametrize("n, want", [(1, 0), (2, 1000), (4, 1500)])
+def test_allreduce_bytes_ring(n, want):
+    # ring: 2(n-1) steps of S/n: n=2 -> 2*1*1000/2, n=4 -> 2*3*1000/4
+    assert cost.allreduce_bytes(1000, n) == want
+
+
+def test_allgather_bytes_uneven():
+    assert cost.allgather_bytes([123], 0) == (0, 0)
+    # n=2, sizes 100/300: rank 0 forwards only its own block, receives rank 1's
+    assert cost.allgather_bytes([100, 300], 0) == (100, 300)
+    assert cost.allgather_bytes([100, 300], 1) == (300, 100)
+    # n=4, total 100: rank r sends everything but its successor's block, receives all but its own
+    sizes = [10, 20, 30, 40]
+    assert [cost.allgather_bytes(sizes, r) for r in range(4)] == [(80, 90), (70, 80), (60, 70), (90, 60)]
+
+
+def test_broadcast_bytes_chain():
+    assert cost.broadcast_bytes(64, 1, 0, 0) == (0, 0)
+    assert [cost.broadcast_bytes(64, 2, r, 0) for r in range(2)] == [(64, 0), (0, 64)]
+    # n=4 rooted at 1: chain 1 -> 2 -> 3 -> 0
+    assert [cost.broadcast_bytes(64, 4, r, 1) for r in range(4)] == [(0, 64), (64, 0), (64, 64), (64, 64)]
+
+
+def test_alpha_beta_times():
+    link = cost.Link(1e9, 50e-6)
+    assert cost.allreduce_time(1e6, 1, link) == 0.0
+    assert cost.allreduce_time(1e6, 4, link) == pytest.approx(6 * 50e-6 + 1.5e6 * 8 / 1e9)
+    assert cost.allgather_time([100, 300], link) == pytest.approx(50e-6 + 300 * 8 / 1e9)
+    assert cost.broadcast_time(1e6, 4, link) == pytest.approx(3 * 50e-6 + 8e6 / 1e9)
+    assert cost.barrier_time(4, link) == pytest.approx(6 * 50e-6)
+    # with one GPU per node the hierarchical formula is the flat ring
+    assert cost.hierarchical_allreduce_time(1e6, 4, 1, link, link) == pytest.approx(cost.allreduce_time(1e6, 4, link))
+
+
+# ---------------------------------------------------------------- sim collectives
+
+def _launch_all(world, fn):
+    handles = [fn(c) for c in world]
+    return [h.wait() for h in handles]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_allreduce_sum_mean_exact(n):
+    world = SimWorld(n)
+    xs = [torch.arange(6, dtype=torch.float32).reshape(2, 3) * (r + 1) for r in range(n)]
+    ts = [x.clone() for x in xs]
+    out = _launch_all(world, lambda c: c.allreduce_async(ts[c.rank], "sum"))
+    want = sum(xs)
+    for r in range(n):
+        assert out[r] is ts[r]  # in place
+        assert torch.equal(ts[r], want)
+    ts = [x.clone() for x in xs]
+    _launch_all(world, lambda c: c.allreduce_async(ts[c.rank], "mean"))
+    assert all(torch.equal(t, want / n) for t in ts)
+
+
+def test_allreduce_keeps_dtype_and_sums_in_fp32():
+    world = SimWorld(4)
+    # 1 + 3 * 2^-8: summed in bf16 step by step every addition rounds back to 1.0; in fp32 the
+    # sum is 1.01171875, which rounds (ties to even) to bf16 1.015625.
+    ts = [torch.full((3,), 1.0 if r == 0 else 2.0**-8, dtype=torch.bfloat16) for r in range(4)]
+    _launch_all(world, lambda c: c.allreduce_async(ts[c.rank], "sum"))
+    assert ts[0].dtype == torch.bfloat16
+    assert ts[0].tolist() == [1.015625] * 3
+    ints = [torch.tensor([1, -7, 9], dtype=torch.int32) for _ in range(2)]
+    ints[1] += 2
+    _launch_all(SimWorld(2), lambda c: c.allreduce_async(ints[c.rank], "mean"))
+    assert ints[0].tolist() == [2, -6, 10]  # (1+3)/2, (-7-5)/2, (9+11)/2
+
+
+def test_allgather_different_shapes_and_dtypes():
+    world = SimWorld(3)
+    f = [torch.randn(r + 1, 2) for r in range(3)]
+    u = [torch.randint(0, 256, (4 * r,), dtype=torch.uint8) for r in range(3)]  # rank 0 sends nothing
+    outs_f = _launch_all(world, lambda c: c.allgather_async(f[c.rank]))
+    outs_u = _launch_all(world, lambda c: c.allgather_async(u[c.rank]))
+    for r in range(3):
+        assert [t.shape for t in outs_f[r]] == [(1, 2), (2, 2), (3, 2)]
+        assert all(torch.equal(a, b) for a, b in zip(outs_f[r], f))
+        assert [t.dtype for t in outs_u[r]] == [torch.uint8] * 3
+        assert all(torch.equal(a, b) for a, b in zip(outs_u[r], u))
+    outs_f[0][1].add_(1)  # results are copies: one rank's result does not alias another's
+    assert torch.equal(outs_f[1][1], f[1])
+
+
+def test_broadcast_from_any_root():
+    world = SimWorld(4)
+    ts = [torch.full((5,), float(r)) for r in range(4)]
+    _launch_all(world, lambda c: c.broadcast_async(ts[c.rank], src=2))
+    assert all(torch.equal(t, torch.full((5,), 2.0)) for t in ts)
+    with pytest.raises(ValueError, match="out of range"):
+        world[0].broadcast_async(ts[0], src=4)
+
+
+def test_byte_accounting_matches_formulas():
+    n = 4
+    world = SimWorld(n)
+    ts = [torch.zeros(250) for _ in range(n)]  # 1000 bytes
+    _launch_all(world, lambda c: c.allreduce_async(ts[c.rank]))
+    gs = [torch.zeros(r + 1, dtype=torch.float64) for r in range(n)]  # 8, 16, 24, 32 bytes
+    _launch_all(world, lambda c: c.allgather_async(gs[c.rank]))
+    bs = [torch.zeros(16, dtype=torch.uint8) for _ in range(n)]
+    _launch_all(world, lambda c: c.broadcast_async(bs[c.rank], src=0))
+    for c in world:
+        c.barrier()
+    ag = {0: (64, 72), 1: (56, 64), 2: (48, 56), 3: (72, 48)}  # total 80: (80 - s[r+1], 80 - s[r])
+    bc = {0: (16, 0), 1: (16, 16), 2: (16, 16), 3: (0, 16)}
+    for c in world:
+        by = c.stats.by_op
+        assert (by["allreduce"].bytes_sent, by["allreduce"].bytes_recv) == (1500, 1500)
+        assert (by["allgather"].bytes_sent, by["allgather"].bytes_recv) == ag[c.rank]
+        assert (by["broadcast"].bytes_sent, by["broadcast"].bytes_recv) == bc[c.rank]
+        assert (by["barrier"].calls, by["barrier"].bytes_sent) == (1, 0)
+        assert c.stats.calls == 4
+        assert c.stats.bytes_sent == 1500 + ag[c.rank][0] + bc[c.rank][0]
+
+
+def test_modelled_time_on_handles_and_stats():
+    world = SimWorld(4, bandwidth="100mbit", latency="1ms")
+    ts = [torch.zeros(25_000) for _ in range(4)]  # 100 kB
+    hs = [c.allreduce_async(ts[c.rank]) for c in world]
+    for h in hs:
+        h.wait()
+    want = 6 * 1e-3 + 1.5 * 100_000 * 8 / 100e6
+    assert hs[0].modelled_s == pytest.approx(want)
+    assert world[3].stats.seconds == pytest.approx(want)
+    assert world[0].clock == "modelled"
+
+
+def test_stats_snapshot_since_and_reset():
+    world = SimWorld(2)
+    snap = world[0].stats.snapshot()
+    ts = [torch.zeros(10) for _ in range(2)]
+    _launch_all(world, lambda c: c.allreduce_async(ts[c.rank]))
+    d = world[0].stats.since(snap)
+    assert d["bytes_sent"] == 40 and d["calls"] == 1
+    world[0].stats.reset()
+    assert world[0].stats.bytes_sent == 0 and not world[0].stats.by_op
+
+
+def test_mismatched_collectives_are_an_error():
+    world = SimWorld(2)
+    world[0].allreduce_async(torch.zeros(3), "sum")
+    with pytest.raises(CommError, match="mismatch"):
+        world[1].allgather_async(torch.zeros(3))
+    world = SimWorld(2)
+    world[0].allreduce_async(torch.zeros(3), "sum")
+    with pytest.raises(CommError, match="mismatch"):
+        world[1].allreduce_async(torch.zeros(3), "mean")
+
+
+def test_wait_before_everyone_launched_names_missing_ranks():
+    world = SimWorld(4)
+    h = world[0].allreduce_async(torch.zeros(3))
+    world[2].allreduce_async(torch.zeros(3))
+    with pytest.raises(CommError, match=r"rank\(s\) \[1, 3\]"):
+        h.wait()
+
+
+def test_bad_reduce_op():
+    with pytest.raises(ValueError, match="sum.*mean"):
+        SimWorld(2)[0].allreduce_async(torch.zeros(1), "max")
+
+
+def test_threaded_mode_runs_collectives_across_threads():
+    world = SimWorld(3, threaded=True, timeout=30)
+    results = [None] * 3
+
+    def work(r):
+        t = torch.full((4,), float(r))
+        world[r].allreduce(t, "sum")
+        g = world[r].allgather(torch.ones(r + 1))
+        world[r].barrier()
+        results[r] = (t, [x.numel() for x in g])
+
+    ths = [threading.Thread(target=work, args=(r,)) for r in range(3)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=30)
+    assert all(res is not None for res in results)
+    for t, sizes in results:
+        assert torch.equal(t, torch.full((4,), 3.0)) and sizes == [1, 2, 3]
+
+
+def test_threaded_mode_timeout_names_lost_rank():
+    world = SimWorld(3, threaded=True, timeout=0.2)
+    errors = {}
+
+    def work(r):
+        try:
+            world[r].allreduce(torch.zeros(2))
+        except CommTimeout as e:
+            errors[r] = str(e)
+
+    ths = [threading.Thread(target=work, args=(r,)) for r in (0, 2)]  # rank 1 never comes
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=30)
+    assert set(errors) == {0, 2}
+    assert all("lost rank(s) [1]" in m and "allreduce" in m for m in errors.values())
+
+
+def test_world_of_one_and_bad_size():
+    world = SimWorld(1)
+    t = torch.randn(5)
+    want = t.clone()
+    world[0].allreduce(t, "mean")
+    assert torch.equal(t, want)
+    assert world[0].stats.bytes_sent == 0
+    with pytest.raises(ValueError, match=">= 1"):
+        SimWorld(0)
