@@ -1,0 +1,178 @@
+"""``PretrainData``: batches for masked-LM + next-sentence pretraining.
+
+Contract (what training, checkpointing and resume rely on):
+
+- ``batch(split, step, worker, num_workers, batch_size, seed)`` is a pure function of its
+  arguments. Resuming needs only the step number; runs are reproducible.
+- Sharding: step ``k`` consumes a *global batch* of ``num_workers * batch_size`` examples of an
+  epoch-wise permutation (seeded by ``seed`` and the epoch); worker ``w`` gets the ``w``-th slice,
+  so the workers' samples within a step are disjoint. An epoch has ``num_examples // global batch``
+  steps (the remainder is skipped, never duplicated). For multi-process runs pass ``worker=rank``.
+- Masking (BERT): of the tokens of each row other than ``[PAD] [UNK] [CLS] [SEP] [MASK]``,
+  ``round(15%)`` (at least one) are selected; of those 80% become ``[MASK]``, 10% a random
+  non-special token, 10% stay. Labels hold the original ids at selected positions and -100
+  elsewhere. The RNG is seeded by ``(seed, step, worker)``, so masks differ between epochs
+  (dynamic masking).
+- ``eval_batches(batch_size, max_batches)`` walks the held-out set in order with fixed masks: the
+  same batches every call, for every run on the same corpus, tokenizer and ``seq_len``, whatever
+  the seed.
+
+Batches are dicts of int64 tensors: ``input_ids``, ``token_type_ids``, ``attention_mask``,
+``labels`` (``batch, seq_len``) and ``next_sentence_label`` (``batch``; 0 = B follows A,
+1 = B is random, as Hugging Face). Rows are padded to ``seq_len``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gradzip.data.corpus import Corpus, load_corpus
+from gradzip.data.examples import EVAL_SEED, ExampleSet, build_examples
+from gradzip.data.tokenizer import WordPieceTokenizer, get_tokenizer
+from gradzip.errors import GradzipError
+
+MASK_PROB = 0.15
+_SPLITS = {"train": 0, "eval": 1}
+_EVAL_STREAM = 7  # separates the eval-mask RNG from the training streams
+
+
+def mask_tokens(ids: np.ndarray, length: np.ndarray, rng: np.random.Generator, mask_id: int,
+                special_ids: np.ndarray, vocab_size: int, prob: float = MASK_PROB) -> tuple[np.ndarray, np.ndarray]:
+    """BERT masking of a ``(batch, seq)`` id array; returns ``(input_ids, labels)`` as int64.
+
+    Exactly ``max(1, round(prob * candidates))`` positions per row are selected among the
+    non-special tokens inside the row's length; 80/10/10 as in the module docstring."""
+    b, s = ids.shape
+    ids = ids.astype(np.int64)
+    candidate = (np.arange(s)[None, :] < length[:, None]) & ~np.isin(ids, special_ids)
+    n_cand = candidate.sum(axis=1)
+    n_mask = np.where(n_cand > 0, np.maximum(1, np.rint(prob * n_cand)), 0).astype(np.int64)
+    # A random order of the candidates per row: the first n_mask in that order are selected.
+    scores = np.where(candidate, rng.random((b, s)), 2.0)
+    ranks = np.empty((b, s), dtype=np.int64)
+    np.put_along_axis(ranks, np.argsort(scores, axis=1, kind="stable"), np.arange(s)[None, :].repeat(b, 0), axis=1)
+    selected = ranks < n_mask[:, None]
+    labels = np.where(selected, ids, -100)
+    u = rng.random((b, s))
+    normal = np.setdiff1d(np.arange(vocab_size), special_ids)
+    random_ids = normal[rng.integers(0, normal.size, size=(b, s))]
+    out = np.where(selected & (u < 0.8), mask_id, ids)
+    out = np.where(selected & (u >= 0.8) & (u < 0.9), random_ids, out)
+    return out, labels
+
+
+class PretrainData:
+    """Tokenizer + memmapped examples + deterministic masked batches. Build with :meth:`build`."""
+
+    def __init__(self, corpus: Corpus, tokenizer: WordPieceTokenizer, train: ExampleSet, eval: ExampleSet,
+                 seq_len: int, seed: int, directory: Path) -> None:
+        self.corpus = corpus
+        self.tokenizer = tokenizer
+        self.train = train
+        self.eval = eval
+        self.seq_len = seq_len
+        self.seed = seed
+        self.directory = directory
+        self.vocab_size = tokenizer.vocab_size
+        self._perms: dict[tuple[str, int, int], np.ndarray] = {}
+
+    @classmethod
+    def build(cls, corpus: str | os.PathLike | None = None, seq_len: int = 128, vocab_size: int | None = None,
+              seed: int = 0, cache_dir: str | os.PathLike | None = None, progress: bool = True,
+              tokenizer: str | os.PathLike | None = None, eval_fraction: float = 0.01) -> PretrainData:
+        """Load or build (and cache) everything for ``corpus`` (None = the default corpus, a path,
+        or ``hf:NAME[:CONFIG[:SPLIT]]``). ``vocab_size`` (default 8192) sizes a trained WordPiece
+        vocabulary; ``tokenizer`` (a vocab.txt or tokenizer.json) is used instead when given.
+        ``seed`` fixes the pair segmentation of the training documents (the held-out set and its
+        masks are the same for every seed)."""
+        c = load_corpus(corpus, cache_dir=cache_dir, progress=progress)
+        tok = get_tokenizer(c, vocab_size=vocab_size, path=tokenizer, progress=progress)
+        from gradzip.data.corpus import progress_enabled
+
+        train, eval_, directory = build_examples(c, tok, seq_len=seq_len, seed=seed, eval_fraction=eval_fraction,
+                                                 progress=progress_enabled(progress))
+        return cls(c, tok, train, eval_, seq_len, seed, directory)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train)
+
+    @property
+    def num_eval(self) -> int:
+        return len(self.eval)
+
+    def describe(self) -> str:
+        """One line for logs."""
+        return (f"{self.corpus.description}: {self.corpus.num_bytes / 1e6:.1f} MB, {self.corpus.num_docs} documents; "
+                f"vocab {self.vocab_size}; {self.num_train} train / {self.num_eval} eval examples of {self.seq_len}")
+
+    def _set(self, split: str) -> ExampleSet:
+        if split not in _SPLITS:
+            raise GradzipError(f"unknown split {split!r}; use 'train' or 'eval'")
+        return self.train if split == "train" else self.eval
+
+    def _perm(self, split: str, seed: int, epoch: int, n: int) -> np.ndarray:
+        key = (split, seed, epoch)
+        if key not in self._perms:
+            if len(self._perms) >= 4:  # consecutive steps hit the same epoch: keep a few
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[key] = np.random.default_rng([seed, epoch, _SPLITS[split]]).permutation(n)
+        return self._perms[key]
+
+    def indices(self, split: str, step: int, worker: int, num_workers: int, batch_size: int, seed: int) -> np.ndarray:
+        """Example indices of ``batch(...)`` with the same arguments (see module docstring)."""
+        n = len(self._set(split))
+        if step < 0 or batch_size < 1 or num_workers < 1 or not 0 <= worker < num_workers:
+            raise GradzipError(f"bad batch request: step {step}, worker {worker} of {num_workers}, "
+                               f"batch size {batch_size}; need step >= 0, 0 <= worker < num_workers, batch size >= 1")
+        global_batch = num_workers * batch_size
+        if n < global_batch:
+            raise GradzipError(f"the {split} set has {n} examples, fewer than one global batch ({num_workers} "
+                               f"workers x {batch_size}); use a bigger corpus or a smaller batch")
+        epoch, pos = divmod(step, n // global_batch)
+        start = pos * global_batch + worker * batch_size
+        return self._perm(split, seed, epoch, n)[start:start + batch_size]
+
+    def batch(self, split: str = "train", step: int = 0, worker: int = 0, num_workers: int = 1,
+              batch_size: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
+        """The masked batch of ``worker`` at ``step`` (a pure function of the arguments)."""
+        idx = self.indices(split, step, worker, num_workers, batch_size, seed)
+        rng = np.random.default_rng([seed, step, worker, _SPLITS[split]])
+        return self._make(self._set(split), idx, rng)
+
+    def eval_batches(self, batch_size: int = 32, max_batches: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches over the held-out set in order, masks fixed; the last one may be smaller."""
+        if batch_size < 1:
+            raise GradzipError(f"eval batch size must be >= 1, got {batch_size}")
+        n = len(self.eval)
+        count = math.ceil(n / batch_size)
+        if max_batches is not None:
+            count = min(count, max(0, int(max_batches)))
+        for k in range(count):
+            idx = np.arange(k * batch_size, min(n, (k + 1) * batch_size))
+            yield self._make(self.eval, idx, np.random.default_rng([EVAL_SEED, k, _EVAL_STREAM]))
+
+    def _make(self, ex: ExampleSet, idx: np.ndarray, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        order = np.argsort(idx, kind="stable")  # read the memmap in file order, then restore the order
+        ids = np.empty((idx.size, self.seq_len), dtype=ex.ids.dtype)
+        ids[order] = ex.ids[idx[order]]
+        length = ex.length[idx].astype(np.int64)
+        b_start = ex.b_start[idx].astype(np.int64)
+        tok = self.tokenizer
+        input_ids, labels = mask_tokens(ids, length, rng, tok.mask_id, tok.special_ids, self.vocab_size)
+        pos = np.arange(self.seq_len)[None, :]
+        attention = pos < length[:, None]
+        token_types = (pos >= b_start[:, None]) & attention
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "token_type_ids": torch.from_numpy(token_types.astype(np.int64)),
+            "attention_mask": torch.from_numpy(attention.astype(np.int64)),
+            "labels": torch.from_numpy(labels),
+            "next_sentence_label": torch.from_numpy(ex.nsp[idx].astype(np.int64)),
+        }
