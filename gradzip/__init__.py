@@ -16,14 +16,16 @@ parts share one registry, one units parser and one cost model):
 __version__ = "0.1.0"
 
 
-def ddp_hook(spec: str, process_group=None):
+def ddp_hook(spec: str, process_group=None, **kwargs):
     """Return ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     Example::
 
         state, hook = gradzip.ddp_hook("topk:ratio=0.01,ef=true")
         ddp_model.register_comm_hook(state, hook)
+
+    Keyword arguments (``min_compress_numel``, ``timeout``) go to :func:`gradzip.engine.ddp.ddp_hook`.
     """
     from gradzip.engine.ddp import ddp_hook as _ddp_hook
 
-    return _ddp_hook(spec, process_group=process_group)
+    return _ddp_hook(spec, process_group=process_group, **kwargs)

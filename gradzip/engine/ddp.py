@@ -1,0 +1,168 @@
+"""DDP adapter: every gradzip compressor as a ``DistributedDataParallel`` communication hook.
+
+Example (every rank, after ``dist.init_process_group`` and before training)::
+
+    ddp = DistributedDataParallel(model)
+    state, hook = gradzip.ddp_hook("topk:ratio=0.01,ef=true")
+    ddp.register_comm_hook(state, hook)
+
+What the hook does with each of DDP's buckets (``GradBucket``), in the order DDP calls it:
+
+1. Split the bucket's gradients by the engine's policy: tensors with at least
+   ``min_compress_numel`` elements are compressed, smaller ones (biases, LayerNorm) are sent
+   uncompressed with ``none``.
+2. Compress and *launch* the exchange on the calling (autograd) thread: element-wise compressors
+   get the compressed tensors as one flat tensor, PowerSGD gets them per matrix. Its collectives run
+   in the background while backward continues.
+3. On the last bucket of the step (``bucket.is_last()``), finish every exchange of the step in
+   waves (PowerSGD's second round, decoding), write the averages into the buckets' buffers and
+   complete the futures DDP waits on.
+
+All collectives are issued on DDP's autograd thread in bucket order, never from a helper thread,
+so they stay in the same order on every rank even next to DDP's own collectives
+(``find_unused_parameters``' allreduce, buffer broadcasts).
+
+Compressor state (error memory, PowerSGD's Q) is keyed by ``bucket<index>`` and the bucket's
+parameter layout. DDP rebuilds its buckets after the first iteration (unless
+``find_unused_parameters=True``); a rebuilt bucket gets fresh state rather than another layout's
+error memory (torch's ``powerSGD_hook`` avoids the same problem by compressing only from
+iteration 2 on). Communication goes through a :class:`gradzip.comm.torch_backend.TorchCommunicator`
+on the default process group, so bytes and times are in ``state.comm.stats``.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations as live objects.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradzip.compress.base import Compressor, unflatten
+from gradzip.compress.none import NoCompression
+from gradzip.compress.registry import create
+from gradzip.engine.exchange import Exchange
+from gradzip.engine.handshake import check_agreement, fingerprint
+from gradzip.errors import GradzipError
+
+_Part = tuple[Exchange, list[int], bool]  # exchange, indices of the bucket's gradients, flat result
+
+
+class GradzipHookState:
+    """The state passed to :func:`gradzip_comm_hook`: compressor, communicator, pending exchanges."""
+
+    def __init__(self, compressor: str | Compressor, comm: Any, min_compress_numel: int = 1024) -> None:
+        if min_compress_numel < 0:
+            raise GradzipError(f"min_compress_numel must be >= 0, got {min_compress_numel}")
+        self.compressor = create(compressor)
+        self.spec = self.compressor.spec
+        self.comm = comm
+        self.min_compress_numel = min_compress_numel
+        self._plain = NoCompression()
+        self._split = type(self.compressor) is not NoCompression
+        inner = getattr(self.compressor, "inner", self.compressor)
+        self._per_tensor = type(inner).compress_batch is not Compressor.compress_batch
+        self._pending: list[tuple[Tensor, list[Tensor], list[_Part], torch.futures.Future]] = []
+        self._ordinal: dict[int, int] = {}  # id(parameter) -> order of first appearance (same on all ranks)
+        self._layouts: dict[int, list[tuple[int, ...]]] = {}  # bucket index -> parameter layouts seen
+
+    def key(self, bucket: dist.GradBucket) -> str:
+        """State key of a bucket: ``bucket<index>`` for its first layout; a layout seen later under
+        the same index (DDP rebuilds buckets after the first iteration) gets a fresh key, so that
+        no state (error memory, Q) is applied to the wrong parameters."""
+        layout = tuple(self._ordinal.setdefault(id(p), len(self._ordinal)) for p in bucket.parameters())
+        seen = self._layouts.setdefault(bucket.index(), [])
+        if layout not in seen:
+            seen.append(layout)
+        k = seen.index(layout)
+        return f"bucket{bucket.index()}" if k == 0 else f"bucket{bucket.index()}~{k}"
+
+    # -- called by the hook ------------------------------------------------------------
+    def start(self, key: str, buffer: Tensor, grads: list[Tensor]) -> list[_Part]:
+        """Compress and launch one bucket's exchanges (compressed part first, then plain)."""
+        big = [i for i, g in enumerate(grads) if not self._split or g.numel() >= self.min_compress_numel]
+        chosen = set(big)
+        small = [i for i, g in enumerate(grads) if i not in chosen and g.numel() > 0]
+        parts: list[_Part] = []
+        if big:
+            if self._per_tensor:
+                tensors, flat = [grads[i] for i in big], False
+            elif len(big) == len(grads):
+                tensors, flat = [buffer], True  # the whole bucket: no copy
+            else:
+                tensors, flat = [torch.cat([grads[i].reshape(-1) for i in big])], True
+            parts.append((Exchange(self.compressor, self.comm, tensors, key=key), big, flat))
+        if small:
+            tensors = [torch.cat([grads[i].reshape(-1) for i in small])]
+            parts.append((Exchange(self._plain, self.comm, tensors, key=f"{key}/plain"), small, True))
+        for ex, _, _ in parts:
+            ex.start()
+        return parts
+
+    @torch.no_grad()
+    def drain(self) -> None:
+        """Finish every pending exchange (waves in bucket order), write back, complete futures."""
+        pending, self._pending = self._pending, []
+        try:
+            active = [ex for _, _, parts, _ in pending for ex, _, _ in parts]
+            while active:
+                active = [ex for ex in active if not ex.advance()]
+            for buffer, grads, parts, fut in pending:
+                for ex, idx, flat in parts:
+                    res = ex.result()
+                    outs = unflatten(res[0], [grads[i].shape for i in idx]) if flat else res
+                    for i, o in zip(idx, outs):
+                        if o.data_ptr() != grads[i].data_ptr():
+                            grads[i].copy_(o)
+                fut.set_result(buffer)
+        except BaseException as e:
+            for _, _, _, fut in pending:
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"spec": self.spec, "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("spec") != self.spec:
+            raise GradzipError(f"hook state is for compressor {state.get('spec')!r}, not {self.spec!r}")
+        self.compressor.load_state_dict(state["compressor"])
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def gradzip_comm_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP communication hook; see the module docstring."""
+    buffer = bucket.buffer()
+    # Views into the flat buffer, one per parameter; results are written through them.
+    grads = unflatten(buffer, [g.shape for g in bucket.gradients()])
+    try:
+        parts = state.start(state.key(bucket), buffer, grads)
+    except BaseException:
+        state._pending.clear()
+        raise
+    fut: torch.futures.Future[Tensor] = torch.futures.Future()
+    state._pending.append((buffer, grads, parts, fut))
+    if bucket.is_last():
+        state.drain()
+    return fut
+
+
+def ddp_hook(spec: str | Compressor, process_group: Any = None, min_compress_numel: int = 1024,
+             timeout: float | None = None) -> tuple[GradzipHookState, Any]:
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``. Call it on every
+    rank (it builds a communicator and checks that every rank passed the same spec)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise GradzipError("ddp_hook: torch.distributed is not initialised; call dist.init_process_group first "
+                           "(or use gradzip.comm.init_communicator)")
+    if process_group is not None and process_group is not dist.group.WORLD:
+        raise GradzipError("ddp_hook: only the default process group is supported (pass process_group=None)")
+    from gradzip.comm.torch_backend import TorchCommunicator
+
+    create(spec)  # a bad spec fails before any collective
+    comm = TorchCommunicator() if timeout is None else TorchCommunicator(timeout=timeout)
+    state = GradzipHookState(spec, comm, min_compress_numel)
+    check_agreement([comm], [fingerprint([], state.spec, {"min_compress_numel": min_compress_numel})])
+    return state, gradzip_comm_hook

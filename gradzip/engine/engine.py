@@ -1,0 +1,479 @@
+"""The gradient-exchange engine: attach compression + communication to any ``nn.Module``.
+
+Usage (one process per rank; with a :class:`SimWorld` one process hosts every worker)::
+
+    engine = attach(model, "topk:ratio=0.01,ef=true", comm)   # comm: a Communicator or a SimWorld
+    for step in range(steps):
+        for w in engine.worker_ids:
+            with engine.worker(w):                 # zeroes .grad; sim: selects worker w
+                loss_fn(model, batch_for(w)).backward()
+        stats = engine.finalize()                  # averaged gradients are now in p.grad
+        optimizer.step()
+
+Per step, on each worker:
+
+1. At start-up (in :func:`attach`), ranks compare a fingerprint of the model and the compressor
+   spec, and parameters (and floating-point buffers) are broadcast from rank 0.
+2. Parameters are grouped into buckets (see :mod:`gradzip.engine.buckets`: reverse registration
+   order, a cap in MiB, dtype-homogeneous, small tensors apart and exchanged uncompressed).
+3. A hook on every parameter (``register_post_accumulate_grad_hook``) copies its gradient into
+   its bucket's flat buffer. When a bucket is full *and* every lower-index bucket has launched,
+   it is compressed and its exchange launched asynchronously (:class:`Exchange.start`) while
+   backward goes on. Launching strictly in index order keeps the collectives of all ranks in the
+   same order whatever order the hooks fire in, as DDP does.
+4. :meth:`Engine.finalize` launches the buckets that never filled (parameters unused this step are
+   sent as their accumulated gradient, or zeros, so that no rank waits forever), then works in
+   waves over the buckets in index order: wait for a bucket's current round, then launch its next
+   round (PowerSGD) or decode it and write the average into ``p.grad``.
+
+Granularity: element-wise compressors get each bucket as one flat tensor; compressors that
+override ``compress_batch`` (PowerSGD: per matrix, batched by shape) get the bucket's per-parameter
+views. A parameter unused by every worker gets a zero gradient (not ``None``), on every backend.
+
+``no_sync()`` makes the hooks do nothing: gradients accumulate in ``.grad`` and are exchanged on
+the next backward outside ``no_sync()`` (gradient accumulation, as DDP's ``no_sync``).
+
+Time: real backends report measured times (exposed communication is the time spent in
+``finalize`` beyond the engine's own encode/decode work); ``sim`` reports the virtual clock of
+:mod:`gradzip.engine.clock`. Tuning: ``bucket_cap_mb`` trades overlap (smaller buckets launch
+earlier) against per-collective latency (more messages); 25 MiB is DDP's default.
+``min_compress_numel`` below ~1000 rarely pays: such tensors are a tiny share of the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradzip.comm.base import Communicator
+from gradzip.comm.sim import SimWorld
+from gradzip.compress.base import Compressor, unflatten
+from gradzip.compress.none import NoCompression
+from gradzip.compress.registry import create
+from gradzip.engine.buckets import Bucket, MiB, assign_buckets
+from gradzip.engine.clock import BucketTiming, StepStats, mean_timings, model_step
+from gradzip.engine.exchange import Exchange
+from gradzip.engine.handshake import broadcast_state, check_agreement, fingerprint
+from gradzip.errors import GradzipError
+
+_now = time.perf_counter
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (identical on every rank: they are part of the start-up fingerprint).
+
+    bucket_cap_mb: bucket size cap in MiB (DDP's default 25).
+    min_compress_numel: tensors with fewer elements are exchanged uncompressed (0: compress all).
+    broadcast: broadcast parameters and floating-point buffers from rank 0 at start-up.
+    check: compare model/compressor/options fingerprints across ranks at start-up.
+    """
+
+    bucket_cap_mb: float = 25.0
+    min_compress_numel: int = 1024
+    broadcast: bool = True
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise GradzipError(f"bucket_cap_mb must be > 0 (MiB, e.g. 25), got {self.bucket_cap_mb}")
+        if self.min_compress_numel < 0:
+            raise GradzipError(f"min_compress_numel must be >= 0 (0 compresses every tensor), got "
+                               f"{self.min_compress_numel}")
+
+
+def _wants_per_tensor(c: Compressor) -> bool:
+    """True if the compressor (or the one inside error feedback) works per tensor."""
+    inner = getattr(c, "inner", c)
+    return type(inner).compress_batch is not Compressor.compress_batch
+
+
+class _Hook:
+    """A hook that a copy of the model does not inherit: ``copy.deepcopy(model)`` (EMA models,
+    reference replicas) gives an unattached model instead of trying to copy the engine."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> None:
+        if self.fn is not None:
+            self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> _Hook:
+        return _Hook(None)
+
+    def __reduce__(self) -> tuple:
+        return (_Hook, (None,))
+
+
+class _Worker:
+    """One (virtual) worker: its communicator, compressor, bucket buffers and per-step state."""
+
+    def __init__(self, wid: int, comm: Communicator, compressor: Compressor, buckets: list[Bucket]) -> None:
+        self.id, self.comm, self.compressor = wid, comm, compressor
+        self.buffers: list[Tensor | None] = [None] * len(buckets)
+        self.snap = comm.stats.snapshot()
+        self.reset(buckets)
+
+    def reset(self, buckets: list[Bucket]) -> None:
+        nb = len(buckets)
+        self.ready = [bytearray(len(b.params)) for b in buckets]
+        self.pending = [len(b.params) for b in buckets]
+        self.next_launch = 0
+        self.exchanges: list[Exchange | None] = [None] * nb
+        self.timing = [BucketTiming(0.0, 0.0) for _ in range(nb)]
+        self.pack_s = [0.0] * nb
+        self.entered = self.flushed = False
+        self.t_start: float | None = None
+        self.fwd_start: float | None = None
+        self.t_end: float | None = None
+        self.hook_s = 0.0  # engine time inside hooks (lies within forward+backward)
+        self.fin_s = 0.0   # engine compute time outside hooks (flush, next rounds, decode)
+
+    def buffer(self, b: Bucket) -> Tensor:
+        buf = self.buffers[b.index]
+        if buf is None:
+            buf = self.buffers[b.index] = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        return buf
+
+
+class Engine:
+    """See the module docstring. Build with :func:`attach`."""
+
+    def __init__(self, model: torch.nn.Module, compressor: str | Compressor, comm: Communicator | SimWorld,
+                 config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.config = config if config is not None else EngineConfig()
+        if isinstance(comm, SimWorld):
+            self.sim, comms = True, list(comm.comms)
+        elif isinstance(comm, Communicator):
+            self.sim, comms = False, [comm]
+        else:
+            raise GradzipError(f"attach: expected a Communicator or a SimWorld, got {type(comm).__name__}")
+        base = create(compressor)
+        self.spec = base.spec
+        # One compressor (one state: error memory, PowerSGD's Q) per worker.
+        compressors = [base] + [create(self.spec) for _ in comms[1:]]
+        named = list(model.named_parameters())
+        self._trainable = [p for _, p in named if p.requires_grad]
+        if not self._trainable:
+            raise GradzipError("attach: the model has no parameters with requires_grad=True")
+        cap = max(1, int(self.config.bucket_cap_mb * MiB))
+        self.buckets = assign_buckets(named, cap, self.config.min_compress_numel,
+                                      separate_small=type(base) is not NoCompression)
+        self._empty = [p for p in self._trainable if p.numel() == 0]
+        self._plain = NoCompression()
+        self._per_tensor = _wants_per_tensor(base)
+        self._workers = [_Worker(c.rank, c, comp, self.buckets) for c, comp in zip(comms, compressors)]
+        self._current: _Worker | None = None
+        self._no_sync = False
+        self._reset_rounds()
+        # Per-bucket timings of the last step (sim: mean over workers), for overlap analysis.
+        self.last_timings: list[BucketTiming] = []
+
+        if self.config.check:
+            options = {"bucket_cap_mb": self.config.bucket_cap_mb, "min_compress_numel": self.config.min_compress_numel}
+            doc = fingerprint(named, self.spec, options)
+            check_agreement(comms, [doc] * len(comms))
+        if self.config.broadcast:
+            state = [p for _, p in named] + [b for b in model.buffers() if b.is_floating_point()]
+            broadcast_state(comms, state, cap, shared=self.sim)
+        for w in self._workers:
+            w.snap = w.comm.stats.snapshot()  # start-up traffic is not part of step 1
+
+        self._hooks = [p.register_post_accumulate_grad_hook(_Hook(functools.partial(self._on_grad, b.index, i)))
+                       for b in self.buckets for i, p in enumerate(b.params)]
+        self._hooks.append(model.register_forward_pre_hook(_Hook(self._on_forward)))
+        self._last_end = _now()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def num_workers(self) -> int:
+        """Workers hosted by this process: N for sim, 1 for real backends."""
+        return len(self._workers)
+
+    @property
+    def worker_ids(self) -> list[int]:
+        return [w.id for w in self._workers]
+
+    @property
+    def world_size(self) -> int:
+        return self._workers[0].comm.world_size
+
+    @property
+    def comm(self) -> Communicator:
+        """The current worker's communicator (outside ``worker()``: the first one)."""
+        return (self._current or self._workers[0]).comm
+
+    @property
+    def compressor(self) -> Compressor:
+        """The current worker's compressor (outside ``worker()``: the first one)."""
+        return (self._current or self._workers[0]).compressor
+
+    @contextlib.contextmanager
+    def worker(self, wid: int) -> Iterator[Communicator]:
+        """Run worker ``wid``'s forward/backward inside this block. Zeroes ``.grad`` on entry.
+        Sim: selects that worker's communicator and compressor state. Real: ``wid`` is the rank."""
+        if self._current is not None:
+            raise GradzipError("engine.worker() blocks cannot be nested")
+        w = self._lookup(wid)
+        if w.entered:
+            raise GradzipError(f"worker {wid} already ran this step; call engine.finalize() before running it again")
+        for p in self._trainable:
+            p.grad = None
+        w.entered = True
+        self._current = w
+        w.t_start = _now()
+        try:
+            yield w.comm
+        finally:
+            self._current = None
+        w.t_end = _now()
+        if self.sim:  # the next worker zeroes .grad: launch whatever this worker left now
+            self._flush(w)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: inside, backward only accumulates into ``.grad``."""
+        prev, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = prev
+
+    def finalize(self) -> StepStats:
+        """Wait for every bucket, write the averaged gradients into ``p.grad``, return the stats."""
+        t_fin = _now()
+        if self.sim:
+            missing = [w.id for w in self._workers if not w.entered]
+            if missing:
+                raise GradzipError(f"finalize(): worker(s) {missing} did not run this step; run each of "
+                                   "engine.worker_ids inside `with engine.worker(w):` before finalize()")
+        for w in self._workers:
+            if not w.flushed:
+                if w.t_end is None:
+                    w.t_end = t_fin
+                self._flush(w)
+        self._drain()
+        for p in self._empty:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        t_done = _now()
+        stats = self._stats(t_fin, t_done)
+        for w in self._workers:
+            w.snap = w.comm.stats.snapshot()
+            w.reset(self.buckets)
+        self._reset_rounds()
+        self._last_end = _now()
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every local worker's compressor state (sim: N entries; real: this rank's)."""
+        return {"spec": self.spec, "worker_ids": self.worker_ids,
+                "compressors": [w.compressor.state_dict() for w in self._workers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("spec") != self.spec:
+            raise GradzipError(f"engine state is for compressor {state.get('spec')!r}, not {self.spec!r}")
+        if list(state.get("worker_ids", [])) != self.worker_ids:
+            raise GradzipError(f"engine state is for workers {state.get('worker_ids')}, this engine hosts "
+                               f"{self.worker_ids}; resume with the same backend and number of workers")
+        for w, sd in zip(self._workers, state["compressors"]):
+            w.compressor.load_state_dict(sd)
+
+    def detach(self) -> None:
+        """Remove the hooks; the model trains as if the engine had never been attached."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def config_dict(self) -> dict[str, Any]:
+        return {"compressor": self.spec, **asdict(self.config)}
+
+    def __repr__(self) -> str:
+        mode = f"sim x{self.num_workers}" if self.sim else f"rank {self.comm.rank}/{self.world_size}"
+        return f"<Engine {self.spec} {mode} {len(self.buckets)} buckets>"
+
+    # ------------------------------------------------------------------ hooks
+    def _lookup(self, wid: int) -> _Worker:
+        for w in self._workers:
+            if w.id == wid:
+                return w
+        raise GradzipError(f"worker id {wid} is not one of this engine's workers {self.worker_ids}")
+
+    def _active(self) -> _Worker:
+        if self._current is not None:
+            return self._current
+        if self.sim:
+            raise GradzipError("sim mode: run each worker's forward/backward inside `with engine.worker(w):`")
+        return self._workers[0]
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():  # evaluation forwards do not start a step
+            return
+        w = self._current if self.sim else (self._current or self._workers[0])
+        if w is not None and w.fwd_start is None:
+            w.fwd_start = _now()
+
+    def _on_grad(self, bi: int, si: int, param: Tensor) -> None:
+        if self._no_sync:
+            return
+        t0 = _now()
+        w = self._active()
+        b = self.buckets[bi]
+        if w.ready[bi][si] or w.flushed:
+            raise GradzipError(f"parameter {b.names[si]!r} got a second gradient in one step outside no_sync(); "
+                               "wrap all but the last backward of a step in engine.no_sync()")
+        if w.fwd_start is None:
+            w.fwd_start = w.t_start if w.t_start is not None else self._last_end
+        w.buffer(b).narrow(0, b.offsets[si], b.numels[si]).copy_(param.grad.reshape(-1))
+        w.ready[bi][si] = 1
+        w.pending[bi] -= 1
+        w.pack_s[bi] += _now() - t0
+        if w.pending[bi] == 0:
+            self._launch_ready(w, ready_s=(t0 - w.fwd_start) - w.hook_s)
+        w.hook_s += _now() - t0
+
+    # ------------------------------------------------------------------ exchange
+    def _reset_rounds(self) -> None:
+        # Modelled link time of each bucket's rounds this step (sim; identical for every worker).
+        self._rounds = [[0.0] * (self._workers[0].compressor.rounds if b.compressed else 1) for b in self.buckets]
+
+    def _launch_ready(self, w: _Worker, ready_s: float) -> None:
+        """Launch, in index order, every bucket that is full and whose predecessors launched."""
+        while w.next_launch < len(self.buckets) and w.pending[w.next_launch] == 0:
+            b = self.buckets[w.next_launch]
+            buf = w.buffer(b)
+            comp = w.compressor if b.compressed else self._plain
+            tensors = unflatten(buf, b.shapes) if b.compressed and self._per_tensor else [buf]
+            ex = Exchange(comp, w.comm, tensors, key=b.key)
+            s0 = w.comm.stats.seconds
+            ex.start()
+            if self.sim:  # the one launch that completes a sim collective records its modelled time
+                self._rounds[b.index][0] += w.comm.stats.seconds - s0
+            w.exchanges[b.index] = ex
+            w.timing[b.index] = BucketTiming(ready_s=max(ready_s, 0.0), compress_s=w.pack_s[b.index] + ex.compress_s)
+            w.next_launch += 1
+
+    def _flush(self, w: _Worker) -> None:
+        """End of a worker's backward: fill the slots no hook filled (accumulated gradient from
+        no_sync micro-steps, or zeros for unused parameters) and launch the remaining buckets."""
+        t0 = _now()
+        start = w.fwd_start if w.fwd_start is not None else (w.t_start if w.t_start is not None else self._last_end)
+        w.fwd_start = start
+        compute = (w.t_end if w.t_end is not None else t0) - start - w.hook_s
+        for b in self.buckets:
+            if not w.pending[b.index]:
+                continue
+            tb = _now()
+            buf = w.buffer(b)
+            for si, p in enumerate(b.params):
+                if not w.ready[b.index][si]:
+                    dst = buf.narrow(0, b.offsets[si], b.numels[si])
+                    if p.grad is None:
+                        dst.zero_()
+                    else:
+                        dst.copy_(p.grad.reshape(-1))
+            w.pending[b.index] = 0
+            w.pack_s[b.index] += _now() - tb
+        self._launch_ready(w, ready_s=compute)
+        w.flushed = True
+        w.fin_s += _now() - t0
+
+    @torch.no_grad()
+    def _drain(self) -> None:
+        """Waves over the buckets in index order until every exchange is decoded and written back."""
+        pending = list(range(len(self.buckets)))
+        while pending:
+            still = []
+            for bi in pending:
+                done = False
+                for w in self._workers:
+                    ex = w.exchanges[bi]
+                    assert ex is not None
+                    c0, s0 = ex.compress_s, w.comm.stats.seconds
+                    done = ex.advance()
+                    dc = ex.compress_s - c0
+                    w.fin_s += dc
+                    if done:
+                        w.timing[bi].decode_s += dc
+                    else:
+                        w.timing[bi].between_s.append(dc)
+                        if self.sim:
+                            self._rounds[bi][ex.round] += w.comm.stats.seconds - s0
+                if done:
+                    # Every worker's result is the same (each gets the same reduced payloads and
+                    # decoding is deterministic; the multi-process tests compare sim with Gloo/MPI),
+                    # so the one shared model takes worker 0's.
+                    t0 = _now()
+                    self._write_back(self.buckets[bi], self._workers[0].exchanges[bi].result())  # type: ignore[union-attr]
+                    dt = _now() - t0
+                    for w in self._workers:  # every real worker writes its own .grad
+                        w.timing[bi].decode_s += dt
+                        w.fin_s += dt
+                else:
+                    still.append(bi)
+            pending = still
+
+    def _write_back(self, b: Bucket, result: list[Tensor]) -> None:
+        parts = unflatten(result[0], b.shapes) if len(result) == 1 and not (b.compressed and self._per_tensor) \
+            else result
+        for p, avg in zip(b.params, parts):
+            if p.grad is None:
+                p.grad = avg.detach().clone()
+            else:
+                p.grad.copy_(avg)
+
+    # ------------------------------------------------------------------ stats
+    def _stats(self, t_fin: float, t_done: float) -> StepStats:
+        deltas = [w.comm.stats.since(w.snap) for w in self._workers]
+        sent = round(sum(d["bytes_sent"] for d in deltas) / len(deltas))
+        recv = round(sum(d["bytes_recv"] for d in deltas) / len(deltas))
+        if self.sim:
+            per_worker = []
+            computes = []
+            for w in self._workers:
+                for bi, t in enumerate(w.timing):
+                    t.rounds_s = list(self._rounds[bi])
+                per_worker.append(w.timing)
+                computes.append(max(0.0, (w.t_end or t_fin) - (w.fwd_start or t_fin) - w.hook_s))
+            self.last_timings = mean_timings(per_worker)
+            m = model_step(sum(computes) / len(computes), self.last_timings)
+            return StepStats(compute_s=m.compute_s, compress_s=m.compress_s, comm_s=m.comm_s, bytes_sent=sent,
+                             bytes_recv=recv, step_s=m.step_s, clock="modelled", link_s=m.link_s,
+                             buckets=len(self.buckets))
+        w = self._workers[0]
+        self.last_timings = list(w.timing)
+        start = w.fwd_start if w.fwd_start is not None else self._last_end
+        compute = max(0.0, (w.t_end or t_fin) - start - w.hook_s)
+        compress = sum(t.compress_s + sum(t.between_s) + t.decode_s for t in w.timing)
+        # Exposed communication: time in finalize not spent on engine compute (real backends flush
+        # inside finalize, so all of fin_s lies in that interval).
+        exposed = max(0.0, (t_done - t_fin) - w.fin_s)
+        return StepStats(compute_s=compute, compress_s=compress, comm_s=exposed, bytes_sent=sent, bytes_recv=recv,
+                         step_s=t_done - start, clock=w.comm.clock, link_s=deltas[0]["seconds"],
+                         buckets=len(self.buckets))
+
+
+def attach(model: torch.nn.Module, compressor: str | Compressor = "none", comm: Communicator | SimWorld | None = None,
+           bucket_cap_mb: float = 25.0, min_compress_numel: int = 1024, broadcast: bool = True,
+           check: bool = True) -> Engine:
+    """Attach gradzip to ``model``: see :class:`Engine` and the module docstring.
+
+    ``comm``: a Communicator (one rank per process; e.g. from :func:`gradzip.comm.init_communicator`)
+    or a :class:`SimWorld` (every worker in this process, virtual clock).
+    """
+    if comm is None:
+        raise GradzipError("attach: pass a communicator (gradzip.comm.init_communicator(...)) or a SimWorld(n)")
+    config = EngineConfig(bucket_cap_mb=bucket_cap_mb, min_compress_numel=min_compress_numel,
+                          broadcast=broadcast, check=check)
+    return Engine(model, compressor, comm, config)
