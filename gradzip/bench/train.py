@@ -1,0 +1,100 @@
+"""``gradzip bench train``: training throughput of BERT models on this machine, and the loss
+bert-tiny reaches after a stated number of steps.
+
+Throughput: for each model, ``gradzip train`` with one worker (backend ``sim``, compressor
+``none``, fp32, ``--batch-size`` x ``--seq-len``, AdamW), ``--steps`` steps, no evaluation and no
+checkpoints. Reported: non-padding tokens per second and milliseconds per step, measured on the
+host clock over the steps after the first ``--skip`` (warm-up), optimizer included. With a single
+``sim`` worker nothing is communicated, so this is plain single-process training speed.
+
+Convergence: bert-tiny trained for ``--loss-steps`` steps (same settings, LR warm-up 10% then
+linear decay) on the default corpus (or ``--corpus``); reported: the held-out loss before training
+and after the last step, and the last training loss.
+
+Uses torch's default thread count (printed); set ``OMP_NUM_THREADS`` to change it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradzip.errors import GradzipError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="bert-tiny,bert-mini",
+                        help="comma-separated (default: bert-tiny,bert-mini)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per model (default: 30)")
+    parser.add_argument("--skip", type=int, default=5, help="warm-up steps not timed (default: 5)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default: 32)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
+    parser.add_argument("--loss-steps", type=int, default=300,
+                        help="steps of the bert-tiny convergence run (0: skip it; default: 300)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak LR of the convergence run (default: 1e-3)")
+    parser.add_argument("--corpus", default=None, help="corpus (default: the built-in one)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _run(out: Path, **kw: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from gradzip.experiments.config import TrainConfig
+    from gradzip.experiments.metrics import read_metrics
+    from gradzip.experiments.train import train
+
+    cfg = TrainConfig.from_dict({"backend": "sim", "workers": 1, "compressor": "none", "checkpoint_every": 0,
+                                 "progress": False, "out": str(out), **kw})
+    summary = train(cfg)
+    return summary, read_metrics(out / "metrics.jsonl")
+
+
+def throughput(model: str, steps: int, skip: int, batch_size: int, seq_len: int, corpus: str | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="gradzip-bench-") as tmp:
+        summary, recs = _run(Path(tmp) / "run", model=model, steps=skip + steps, batch_size=batch_size,
+                             seq_len=seq_len, eval_batches=0, corpus=corpus)
+    first, last = recs[skip - 1] if skip else {"tokens": 0, "host_s": 0.0}, recs[-1]
+    host = last["host_s"] - first["host_s"]
+    step_times = [b["host_s"] - a["host_s"] for a, b in zip(recs[skip - 1:], recs[skip:])] if skip else []
+    return {"model": model, "params": summary["params"], "batch_size": batch_size, "seq_len": seq_len,
+            "steps": steps, "tokens_per_s": (last["tokens"] - first["tokens"]) / host,
+            "ms_per_step": 1000 * host / steps,
+            "ms_per_step_median": 1000 * statistics.median(step_times) if step_times else None,
+            "threads": torch.get_num_threads()}
+
+
+def convergence(steps: int, batch_size: int, seq_len: int, lr: float, corpus: str | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="gradzip-bench-") as tmp:
+        summary, _ = _run(Path(tmp) / "run", model="bert-tiny", steps=steps, batch_size=batch_size, seq_len=seq_len,
+                          lr=lr, warmup=0.1, eval_every=max(1, steps // 4), eval_batches=32, corpus=corpus)
+    return {"model": "bert-tiny", "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
+            "initial_eval_loss": summary["initial_eval_loss"], "final_eval_loss": summary["final_eval_loss"],
+            "final_loss": summary["final_loss"], "host_s": summary["host_s"]}
+
+
+def run(args: argparse.Namespace) -> int:
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models or args.steps < 1 or args.skip < 0 or args.loss_steps < 0:
+        raise GradzipError("need at least one --models entry, --steps >= 1, --skip >= 0 and --loss-steps >= 0")
+    say = (lambda *a, **k: None) if args.json else (lambda *a, **k: print(*a, **k, flush=True))
+    say(f"training throughput, 1 worker, fp32, AdamW, {torch.get_num_threads()} torch threads")
+    say(f"{'model':<12} {'params':>11} {'batch x seq':>12} {'ms/step':>9} {'tokens/s':>10}")
+    rows = []
+    for m in models:  # each row as soon as it is measured
+        r = throughput(m, args.steps, args.skip, args.batch_size, args.seq_len, args.corpus)
+        rows.append(r)
+        say(f"{r['model']:<12} {r['params']:>11,} {r['batch_size']:>5} x {r['seq_len']:<4} "
+            f"{r['ms_per_step']:>9.1f} {r['tokens_per_s']:>10,.0f}")
+    conv = None
+    if args.loss_steps:
+        conv = convergence(args.loss_steps, args.batch_size, args.seq_len, args.lr, args.corpus)
+        say(f"\nbert-tiny after {conv['steps']} steps (batch {conv['batch_size']} x {conv['seq_len']}, "
+            f"peak LR {conv['lr']:g}): eval loss {conv['initial_eval_loss']:.3f} -> {conv['final_eval_loss']:.3f}, "
+            f"last train loss {conv['final_loss']:.3f} ({conv['host_s']:.0f} s)")
+    if args.json:
+        print(json.dumps({"throughput": rows, "convergence": conv}, indent=2))
+    return 0

@@ -1,0 +1,215 @@
+"""Checkpoints of ``gradzip train``: atomic, sharded per rank, loadable with ``weights_only=True``.
+
+Layout in the run directory, for the checkpoint after optimizer step ``S`` (8-digit, zero-padded
+so that names sort by step)::
+
+    ckpt-0000000S.pt            rank 0: everything shared by the ranks + rank 0's own state
+    ckpt-0000000S-rank<r>.pt    rank r > 0 (real backends only): rank r's own state
+
+*Shared* state is identical on every rank, so one copy is kept: the model, the optimizer, the LR
+schedule, the GradScaler, the data position (the step: batches are a pure function of it), the
+progress counters and the config. *Own* state differs per rank: the compressor state
+(``engine.state_dict()``: error memory, PowerSGD's Q, ...) and the RNG states. With ``sim``, one
+process hosts every worker, so the rank-0 file holds every worker's compressor and RNG state and
+there are no shards. Sharding (rather than gathering to rank 0) keeps compressor state off the
+communicator, whose byte counts are the experiment's measurements; it needs a directory that every
+rank can reach (a shared file system across nodes).
+
+Writes are atomic (temporary file in the same directory, fsync, ``os.replace``), and every rank
+writes its shard *before* rank 0 writes its file (a barrier in between), so a rank-0 file means
+the checkpoint is complete. Only the newest ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradzip.errors import GradzipError
+
+FORMAT = "gradzip-checkpoint"
+VERSION = 1
+_MAIN = re.compile(r"ckpt-(\d{8})\.pt")
+
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int, rank: int = 0) -> Path:
+    suffix = "" if rank == 0 else f"-rank{rank}"
+    return Path(directory) / f"ckpt-{step:08d}{suffix}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike[str], rank: int = 0) -> list[tuple[int, Path]]:
+    """``(step, path)`` of this rank's checkpoint files, oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    pat = _MAIN if rank == 0 else re.compile(rf"ckpt-(\d{{8}})-rank{rank}\.pt")
+    found = [(int(m.group(1)), d / name) for name in os.listdir(d) if (m := pat.fullmatch(name))]
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> tuple[int, Path] | None:
+    """The newest complete checkpoint (its rank-0 file), or None."""
+    found = list_checkpoints(directory, 0)
+    return found[-1] if found else None
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file next to ``path``, fsync, then rename over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def save(directory: str | os.PathLike[str], step: int, rank: int, shared: dict[str, Any] | None,
+         own: dict[str, Any], keep: int) -> Path:
+    """Write this rank's file for ``step`` and delete this rank's files beyond the newest ``keep``.
+
+    ``shared`` is given on rank 0 only. Real backends: call on every rank > 0 first, then a
+    barrier, then rank 0 (see the module docstring).
+    """
+    obj: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": step, "rank": rank, "own": own}
+    if rank == 0:
+        if shared is None:
+            raise ValueError("rank 0 must save the shared state")
+        obj["shared"] = shared
+    path = checkpoint_path(directory, step, rank)
+    atomic_save(obj, path)
+    for _, old in list_checkpoints(directory, rank)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def read(path: Path, rank: int = 0) -> dict[str, Any]:
+    """Load one checkpoint file; any problem is a one-line :class:`GradzipError`."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise GradzipError(f"checkpoint {path} is missing") from None
+    except Exception as e:  # truncated zip, pickle error, foreign object: all are "unusable"
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        why = next((ln for ln in lines if "Unpickler error" in ln), lines[0])[:200]
+        raise GradzipError(f"checkpoint {path} is truncated or not a gradzip checkpoint ({why}); "
+                           "delete it to resume from an earlier one, or start a new --out") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise GradzipError(f"{path} is not a gradzip checkpoint (no {FORMAT!r} marker); "
+                           "point --out at a directory written by gradzip train")
+    if obj.get("version") != VERSION:
+        raise GradzipError(f"checkpoint {path} has format version {obj.get('version')}, "
+                           f"this gradzip reads version {VERSION}")
+    if obj.get("rank") != rank or (rank == 0 and "shared" not in obj):
+        raise GradzipError(f"checkpoint {path} is rank {obj.get('rank')}'s file, expected rank {rank}'s")
+    return obj
+
+
+def load(directory: str | os.PathLike[str], step: int, rank: int, world_size: int) -> tuple[dict, dict]:
+    """``(shared, own)`` of checkpoint ``step`` for ``rank``."""
+    main = read(checkpoint_path(directory, step, 0), 0)
+    saved_world = main["shared"].get("world_size")
+    if saved_world != world_size:
+        raise GradzipError(f"checkpoint step {step} was written by {saved_world} ranks, this run has "
+                           f"{world_size}; resume with the same --workers / launcher size")
+    if rank == 0:
+        return main["shared"], main["own"]
+    shard_path = checkpoint_path(directory, step, rank)
+    if not shard_path.exists():
+        raise GradzipError(f"checkpoint step {step} lacks rank {rank}'s shard {shard_path.name}; "
+                           "every rank must see the same --out directory (a shared file system)")
+    shard = read(shard_path, rank)
+    if shard["step"] != step:
+        raise GradzipError(f"{shard_path} holds step {shard['step']}, expected {step}")
+    return main["shared"], shard["own"]
+
+
+# ---------------------------------------------------------------------- RNG states
+def host_rng_state() -> dict[str, Any]:
+    """numpy's and Python's global RNG states, as tensors and numbers (weights_only-safe).
+    (torch's generators are per worker: see :class:`gradzip.experiments.runtime.WorkerRNG`.)"""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, py_gauss = random.getstate()
+    return {
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": {"version": int(version), "state": [int(x) for x in internal], "gauss": py_gauss},
+    }
+
+
+def set_host_rng_state(state: dict[str, Any]) -> None:
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+
+
+# ---------------------------------------------------------------------- a whole run
+@dataclass
+class RunState:
+    """Everything a training run checkpoints. ``progress`` holds the step (the data position)
+    and the cumulative counters (tokens, samples, wall_s, host_s, initial_eval_loss)."""
+
+    model: Any
+    optimizer: Any
+    schedule: Any
+    precision: Any
+    engine: Any
+    rngs: Any
+    progress: dict[str, Any]
+    config: dict[str, Any]
+
+
+def save_run(directory: str | os.PathLike[str], st: RunState, rt: Any, keep: int) -> None:
+    """Write the checkpoint of step ``st.progress["step"]`` on every rank (shards first)."""
+    step = int(st.progress["step"])
+    own = {"engine": st.engine.state_dict(), "rng": st.rngs.state_dict(), "host_rng": host_rng_state()}
+    if rt.rank != 0:
+        save(directory, step, rt.rank, None, own, keep)
+    rt.barrier()  # every shard is on disk before rank 0's file marks the checkpoint complete
+    if rt.rank == 0:
+        shared = {
+            "world_size": rt.num_workers, "config": st.config, "progress": dict(st.progress),
+            "model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
+            "schedule": st.schedule.state_dict(), "scaler": st.precision.state_dict(),
+        }
+        save(directory, step, 0, shared, own, keep)
+
+
+def restore_run(directory: str | os.PathLike[str], st: RunState, rt: Any) -> bool:
+    """Load the newest checkpoint into ``st`` (in place). False if there is none."""
+    found = latest_checkpoint(directory)
+    if found is None:
+        return False
+    shared, own = load(directory, found[0], rt.rank, rt.num_workers)
+    try:
+        st.model.load_state_dict(shared["model"])
+        st.optimizer.load_state_dict(shared["optimizer"])
+        st.schedule.load_state_dict(shared["schedule"])
+        st.precision.load_state_dict(shared["scaler"])
+        st.engine.load_state_dict(own["engine"])
+        st.rngs.load_state_dict(own["rng"])
+        set_host_rng_state(own["host_rng"])
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise GradzipError(f"checkpoint {found[1]} does not fit this run ({str(e).splitlines()[0][:200]}); "
+                           "resume with the settings it was written with") from None
+    st.progress.update(shared["progress"])
+    return True

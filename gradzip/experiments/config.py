@@ -1,0 +1,330 @@
+"""The typed configuration of one training run, shared by ``gradzip train`` and the sweep runner.
+
+:class:`TrainConfig` has one field per ``gradzip train`` flag (``--batch-size`` is
+``batch_size``). Sources, later ones winning:
+
+1. the field defaults below;
+2. with ``--resume``, the ``config.toml`` saved in ``--out`` by the run being continued;
+3. ``--config FILE.toml``: flat ``key = value`` lines, keys spelled as the flags (``batch-size``
+   or ``batch_size``);
+4. flags given on the command line.
+
+:meth:`TrainConfig.from_dict` is strict: an unknown key, a value of the wrong type or out of range
+raises :class:`~gradzip.errors.GradzipError` with a one-line message that says how to fix it.
+:meth:`TrainConfig.to_dict` and :func:`write_toml` give back a dict / TOML file that
+``from_dict`` / ``--config`` accept, so a run's ``config.toml`` reproduces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from gradzip.errors import GradzipError, SpecError
+
+BACKENDS = ("sim", "gloo", "nccl", "mpi")
+OPTIMIZERS = ("adamw", "lamb")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+# Fields that may change when a run is resumed: they do not change what the steps compute.
+# (``steps`` may change to extend a run; the LR schedule then follows the new length.)
+RESUME_MUTABLE = frozenset({
+    "steps", "stop_at", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+    "timeout", "progress", "resume", "config", "out", "netem",
+})
+# Fields not written to a run's config.toml: they describe one invocation, not the run (so that
+# `--resume` after `--stop-at` does not stop again at the same step).
+_NOT_SAVED = frozenset({"resume", "config", "stop_at"})
+
+
+@dataclass
+class TrainConfig:
+    """One ``gradzip train`` run. Field docs are the ``--help`` texts of the flags."""
+
+    # -- what is trained, how it communicates
+    model: str = "bert-tiny"
+    compressor: str = "none"
+    backend: str = "sim"
+    workers: int = 4
+    bandwidth: str = "1gbit"
+    latency: str = "50us"
+    # -- batch and length
+    batch_size: int = 32
+    accumulation: int = 1
+    seq_len: int = 128
+    steps: int = 100
+    stop_at: int | None = None
+    # -- optimisation
+    lr: float = 1e-3
+    warmup: float = 10
+    optimizer: str = "adamw"
+    weight_decay: float = 0.01
+    precision: str = "fp32"
+    clip: float = 1.0
+    seed: int = 0
+    # -- data
+    corpus: str | None = None
+    vocab_size: int | None = None
+    # -- evaluation, checkpoints, outputs
+    eval_every: int = 50
+    eval_batches: int = 16
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    out: str | None = None
+    resume: bool = False
+    config: str | None = None
+    progress: bool = True
+    # -- engine and backends
+    bucket_cap_mb: float = 25.0
+    min_compress_numel: int = 1024
+    timeout: float = 300.0
+    device: str = "auto"
+    netem: str | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "") -> TrainConfig:
+        """Strictly validated config from ``d`` (keys with ``-`` or ``_``); missing keys keep defaults.
+
+        ``source`` names where ``d`` came from in error messages (e.g. the TOML file).
+        """
+        kwargs = {}
+        for raw_key, value in d.items():
+            key = _field_name(raw_key, source)
+            if key in kwargs:
+                raise GradzipError(f"{_pre(source)}key {raw_key!r} given twice (as {key!r})")
+            kwargs[key] = _check_type(key, value, source)
+        cfg = cls(**kwargs)
+        cfg.validate(source)
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as ``from_dict`` accepts it."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A validated copy with ``changes`` applied (same rules as ``from_dict``)."""
+        return TrainConfig.from_dict({**self.to_dict(), **changes}, source="")
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, source: str = "") -> None:
+        """Static checks (no hardware look-ups; see :meth:`check_runtime` for those)."""
+
+        def bad(key: str, why: str) -> GradzipError:
+            return GradzipError(f"{_pre(source)}{_flag(key)} {why}")
+
+        for key in ("workers", "batch_size", "accumulation", "seq_len", "steps", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                raise bad(key, f"must be >= 1, got {getattr(self, key)}")
+        for key in ("eval_every", "eval_batches", "checkpoint_every", "min_compress_numel", "seed"):
+            if getattr(self, key) < 0:
+                raise bad(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise bad("stop_at", f"must be between 1 and --steps ({self.steps}), got {self.stop_at}")
+        for key in ("lr", "bucket_cap_mb", "timeout"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v > 0):
+                raise bad(key, f"must be a positive number, got {v}")
+        for key in ("clip", "weight_decay"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v >= 0):
+                raise bad(key, f"must be >= 0 (0 turns it off), got {v}")
+        if not (math.isfinite(self.warmup) and self.warmup >= 0):
+            raise bad("warmup", f"must be >= 0 (steps, or a fraction of --steps below 1), got {self.warmup}")
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            raise bad("warmup", f"must be a whole number of steps or a fraction below 1, got {self.warmup}")
+        for key, choices in (("backend", BACKENDS), ("optimizer", OPTIMIZERS),
+                             ("precision", PRECISIONS), ("device", DEVICES)):
+            if getattr(self, key) not in choices:
+                raise bad(key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
+        if self.vocab_size is not None and self.vocab_size < 100:
+            raise bad("vocab_size", f"must be >= 100 (or unset for the model's default), got {self.vocab_size}")
+        if self.seq_len > 512:
+            raise bad("seq_len", f"must be <= 512 (BERT's position embeddings), got {self.seq_len}")
+        from gradzip.units import parse_bandwidth, parse_latency
+
+        try:
+            parse_bandwidth(self.bandwidth)
+            parse_latency(self.latency)
+        except SpecError as e:
+            raise GradzipError(f"{_pre(source)}{e}") from None
+        if self.netem is not None:
+            if self.backend not in ("gloo", "mpi"):
+                raise bad("netem", f"needs --backend gloo or mpi (real processes), not {self.backend!r}")
+            # -- netem hook: the spelling HOSTS:RATE[:DELAY[:LOSS%]] is gradzip.netem.run's --
+            from gradzip.netem.run import parse_netem
+
+            try:
+                parse_netem(self.netem)
+            except GradzipError as e:
+                raise GradzipError(f"{_pre(source)}{e}") from None
+        self._check_names(source)
+
+    def _check_names(self, source: str) -> None:
+        """The model and compressor names are known (cheap imports; skipped if a part is absent)."""
+        from gradzip.compress.registry import create
+
+        try:
+            create(self.compressor)
+        except SpecError as e:
+            raise GradzipError(f"{_pre(source)}--compressor: {e}") from None
+        try:
+            from gradzip.models import bert_config
+        except ImportError:
+            return
+        try:
+            bert_config(self.model)
+        except (GradzipError, KeyError, ValueError) as e:
+            raise GradzipError(f"{_pre(source)}--model: {e}") from None
+
+    def check_runtime(self) -> None:
+        """Checks that depend on this machine: CUDA for nccl and fp16."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if self.device == "cuda" and not cuda:
+            raise GradzipError("--device cuda: no CUDA device is available here; use --device cpu")
+        if self.backend == "nccl" and not cuda:
+            raise GradzipError("--backend nccl needs CUDA GPUs; on CPU use --backend gloo or mpi")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise GradzipError("--backend nccl needs --device cuda (or auto)")
+        if self.precision == "fp16" and self.resolved_device != "cuda":
+            raise GradzipError("--precision fp16 needs a CUDA device (gradient scaling); on CPU use bf16 or fp32")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def warmup_steps(self) -> int:
+        """``warmup`` in steps: a value below 1 is a fraction of ``steps``; at most ``steps``."""
+        if 0 < self.warmup < 1:
+            return int(round(self.warmup * self.steps))
+        return min(int(self.warmup), self.steps)
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def real_backend(self) -> bool:
+        return self.backend != "sim"
+
+    def default_out(self) -> str:
+        """``runs/<model>-<compressor>-<backend><workers>-<date-time>``."""
+        import time
+
+        comp = re.sub(r"[^A-Za-z0-9.=]+", "_", self.compressor).strip("_")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return os.path.join("runs", f"{self.model}-{comp}-{self.backend}{self.workers}-{stamp}")
+
+    def diff(self, other: TrainConfig, ignore: frozenset[str] = RESUME_MUTABLE) -> list[str]:
+        """``["--flag: a != b", ...]`` for fields that differ, except ``ignore``."""
+        out = []
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name not in ignore and a != b:
+                out.append(f"{_flag(f.name)} {a!r} vs {b!r}")
+        return out
+
+
+# ---------------------------------------------------------------------- TOML in and out
+def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The flat table of a config file, keys normalised to field names. Errors are one line."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GradzipError(f"config file {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise GradzipError(f"cannot read config file {str(p)!r}: {e}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise GradzipError(f"{p}: not valid TOML: {e}") from None
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            raise GradzipError(f"{p}: [{key}] tables are not allowed: use flat `key = value` lines as the flags")
+        out[_field_name(key, str(p))] = value
+    return out
+
+
+def write_toml(cfg: TrainConfig, path: str | os.PathLike[str]) -> None:
+    """Write ``cfg`` as flat TOML (``None`` fields omitted), atomically."""
+    lines = ["# gradzip train: resolved configuration (usable with --config)"]
+    for key, value in cfg.to_dict().items():
+        if value is None or key in _NOT_SAVED:
+            continue
+        lines.append(f"{key} = {_toml_value(value)}")
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(tmp, p)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)  # always with a point or exponent, so the file states the type
+    if isinstance(v, str):
+        escaped = v.replace("\\", "\\\\").replace('"', '\\"')
+        escaped = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in escaped)
+        return f'"{escaped}"'
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+# ---------------------------------------------------------------------- helpers
+_FIELDS = {f.name: f for f in fields(TrainConfig)}
+_TYPES: dict[str, tuple[type, bool]] = {}  # name -> (base type, optional)
+for _f in fields(TrainConfig):
+    _t = str(_f.type)
+    _TYPES[_f.name] = ({"int": int, "float": float, "str": str, "bool": bool}[_t.split(" |")[0]], "None" in _t)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _field_name(raw: str, source: str) -> str:
+    key = str(raw).strip().replace("-", "_").lower()
+    if key not in _FIELDS:
+        names = [f.replace("_", "-") for f in _FIELDS]
+        near = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else f"; valid keys: {', '.join(names)}"
+        raise GradzipError(f"{_pre(source)}unknown key {raw!r}{hint}")
+    return key
+
+
+def _check_type(key: str, value: Any, source: str) -> Any:
+    typ, optional = _TYPES[key]
+    if value is None:
+        if optional:
+            return None
+        raise GradzipError(f"{_pre(source)}{key} must be {_a(typ)}, got nothing")
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise GradzipError(f"{_pre(source)}{key} must be {_a(typ)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _a(typ: type) -> str:
+    return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}[typ.__name__]
+
+
+def _pre(source: str) -> str:
+    return f"{source}: " if source else ""

@@ -1,0 +1,132 @@
+"""``metrics.jsonl`` and ``summary.json`` of a training run.
+
+``metrics.jsonl`` has one JSON object per optimizer step (``step`` counts from 1):
+
+=============  =========================================================================
+step           optimizer steps done
+loss           training loss of this step (MLM + NSP), mean over all workers
+mlm_loss       masked-LM part;  ``nsp_loss``: next-sentence part
+lr             learning rate used by this step
+tokens         cumulative non-padding tokens processed by all workers
+samples        cumulative sequences processed by all workers
+step_s         this step's time on the run's clock (compute + exposed comm + optimizer)
+wall_s         cumulative ``step_s`` (the x-axis for loss-vs-time; excludes eval/checkpoints)
+compute_s      forward+backward time of one worker (``sim``: measured, as one of N parallel workers)
+compress_s     encode/decode time;  ``comm_s``: exposed (non-overlapped) communication time
+opt_s          optimizer (+ clipping) time
+bytes_sent     bytes this rank sent this step (``bytes_recv``: received)
+grad_norm      global gradient norm before clipping (of the averaged gradient)
+clock          "modelled" (``sim``: α–β network model) or "measured" (real backends)
+host_s         real seconds since the run started, cumulative over resumes
+eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``)
+=============  =========================================================================
+
+``summary.json`` is computed from the whole ``metrics.jsonl`` (so it covers resumed runs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a metrics file; a torn last line (crash mid-write) is skipped."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
+
+
+def truncate_metrics(path: str | os.PathLike[str], step: int) -> None:
+    """Keep the records with ``step <= step`` (atomically), so a resumed run appends no duplicates."""
+    p = Path(path)
+    if not p.exists():
+        return
+    keep = [r for r in read_metrics(p) if r["step"] <= step]
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    os.replace(tmp, p)
+
+
+class MetricsLog:
+    """Appends one JSON line per step; a no-op on ranks other than 0 (``enabled=False``)."""
+
+    def __init__(self, path: str | os.PathLike[str], enabled: bool = True) -> None:
+        self.path = Path(path)
+        self._f = open(self.path, "a", encoding="utf-8") if enabled else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(_clean(record)) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _clean(rec: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN/inf: write null (a diverged loss stays visible as null, not as invalid JSON)
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+
+
+def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_bytes: int) -> dict[str, Any]:
+    """``summary.json`` from the step records.
+
+    ``uncompressed_bytes``: what one rank would send per step with ``none`` (fp32 ring allreduce
+    of every gradient); ``compression_ratio`` = that / the mean bytes actually sent per step
+    (null with one worker, where nothing is sent).
+    """
+    n = len(records)
+    last = records[-1] if records else {}
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    wall = float(last.get("wall_s", 0.0))
+    tokens = int(last.get("tokens", 0))
+    sent = sum(r.get("bytes_sent", 0) for r in records)
+    bytes_per_step = sent / n if n else 0.0
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in records if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    summary = {
+        "final_loss": last.get("loss"),
+        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "steps": int(last.get("step", 0)),
+        "tokens": tokens,
+        "samples": int(last.get("samples", 0)),
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "bytes_per_step": bytes_per_step,
+        "uncompressed_bytes_per_step": uncompressed_bytes,
+        "compression_ratio": (uncompressed_bytes / bytes_per_step) if bytes_per_step > 0 else None,
+        "wall_s": wall,
+        "host_s": last.get("host_s"),
+        "step_s": mean("step_s"),
+        "compute_s": mean("compute_s"),
+        "compress_s": mean("compress_s"),
+        "comm_s": mean("comm_s"),
+        "opt_s": mean("opt_s"),
+        "clock": last.get("clock"),
+    }
+    summary.update(info)
+    return _clean(summary)
+
+
+def write_json(obj: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, p)

@@ -1,0 +1,159 @@
+"""``gradzip train``: pretrain BERT (masked LM + next sentence) under one compressor and backend.
+
+Reads top to bottom: where we run → data → model → engine → optimizer → resume → loop → summary.
+Each optimizer step, every worker computes its micro-batches (``sim``: all N workers in turn in
+this process; real backends: this rank), the engine exchanges the compressed gradients, and the
+optimizer steps on the averaged gradient. Outputs in ``cfg.out`` (rank 0 writes):
+
+- ``config.toml``: the resolved configuration (``--config`` accepts it);
+- ``metrics.jsonl``: one record per step (fields: :mod:`gradzip.experiments.metrics`);
+- ``summary.json``: final losses, tokens/s, bytes per step, compression ratio, ...;
+- ``ckpt-*.pt``: checkpoints (:mod:`gradzip.experiments.checkpoint`), the newest K kept.
+
+Example::
+
+    from gradzip.experiments.train import TrainConfig, train
+    summary = train(TrainConfig(compressor="powersgd:rank=4", workers=4, steps=200, out="runs/p4"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from gradzip.comm.cost import allreduce_bytes
+from gradzip.experiments import checkpoint
+from gradzip.experiments.config import TrainConfig, write_toml
+from gradzip.experiments.metrics import MetricsLog, read_metrics, summarize, truncate_metrics, write_json
+from gradzip.experiments.optim import WarmupDecay, build_optimizer
+from gradzip.experiments.runtime import (
+    Precision,
+    Progress,
+    WorkerRNG,
+    build_data,
+    check_out_dir,
+    create_runtime,
+    evaluate,
+    seed_everything,
+    to_device,
+)
+
+__all__ = ["TrainConfig", "train"]
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or with ``cfg.resume``, continue) one training run; return the summary (rank 0; other
+    ranks of a real backend return ``{"rank": r}``). Bad settings raise GradzipError before
+    anything in ``cfg.out`` is created or changed."""
+    from gradzip.engine import attach
+    from gradzip.models import BertForPreTraining, bert_config
+
+    # -- where we run: sim world or this rank's communicator; the output directory --------------
+    cfg.check_runtime()
+    rt = create_runtime(cfg)
+    try:
+        if rt.comm is not None:  # the launcher decides the world size, not --workers
+            cfg = cfg.replace(workers=rt.num_workers)
+        cfg = cfg.replace(out=rt.broadcast_str(cfg.out or cfg.default_out()))
+        out = check_out_dir(cfg)  # every rank checks before anyone writes
+        rt.barrier()
+
+        # -- data and model (same seed: same initial weights on every rank) --------------------
+        seed_everything(cfg.seed)
+        data = build_data(cfg, rt)
+        model_cfg = bert_config(cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len))
+        model = BertForPreTraining(model_cfg).to(rt.device)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        # -- engine, optimizer, LR schedule, precision, per-worker RNG streams ----------------
+        engine = attach(model, cfg.compressor, rt.target, bucket_cap_mb=cfg.bucket_cap_mb,
+                        min_compress_numel=cfg.min_compress_numel)
+        optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
+        schedule = WarmupDecay(optimizer, cfg.lr, cfg.warmup_steps, cfg.steps)
+        prec = Precision(cfg.precision, rt.device)
+        rngs = WorkerRNG(cfg.seed, list(engine.worker_ids), rt.device)
+        progress: dict[str, Any] = {"step": 0, "tokens": 0, "samples": 0, "wall_s": 0.0, "host_s": 0.0,
+                                    "initial_eval_loss": None}
+        state = checkpoint.RunState(model, optimizer, schedule, prec, engine, rngs, progress, cfg.to_dict())
+
+        # -- resume: everything back to the newest checkpoint; drop later metrics --------------
+        out.mkdir(parents=True, exist_ok=True)
+        metrics_path = out / "metrics.jsonl"
+        if cfg.resume and checkpoint.restore_run(out, state, rt) and rt.is_main:
+            truncate_metrics(metrics_path, progress["step"])
+        if rt.is_main:
+            write_toml(cfg, out / "config.toml")
+            if progress["step"] == 0 and cfg.eval_batches:
+                progress["initial_eval_loss"] = evaluate(model, data, cfg, prec, rt.device).get("eval_loss")
+        log = MetricsLog(metrics_path, enabled=rt.is_main)
+
+        # -- the loop ----------------------------------------------------------------------------
+        last, n = cfg.stop_at or cfg.steps, rt.num_workers
+        bar = Progress(cfg.progress and rt.is_main, total=last, initial=progress["step"])
+        t_start = time.perf_counter() - progress["host_s"]
+        model.train()
+        while progress["step"] < last:
+            step = progress["step"]
+            lr = schedule.lr
+            losses = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss, mlm, nsp summed over workers
+            tokens = samples = 0
+            for w in engine.worker_ids:
+                with rngs.use(w), engine.worker(w):  # worker w: its dropout stream, its compressor state
+                    for micro in range(cfg.accumulation):
+                        batch = data.batch("train", step=step * cfg.accumulation + micro, worker=w,
+                                           num_workers=rt.num_workers, batch_size=cfg.batch_size, seed=cfg.seed)
+                        tokens += int(batch["attention_mask"].sum())
+                        samples += int(batch["input_ids"].shape[0])
+                        sync = micro == cfg.accumulation - 1  # exchange only after the last micro-batch
+                        with contextlib.nullcontext() if sync else engine.no_sync():
+                            with prec.autocast():
+                                res = model(**to_device(batch, rt.device))
+                            prec.backward(res.loss / cfg.accumulation)
+                        parts = torch.stack([res.loss, res.mlm_loss, res.nsp_loss]).detach().double()
+                        losses += parts / cfg.accumulation
+            stats = engine.finalize()  # averaged gradients are in p.grad now
+            t_opt = time.perf_counter()
+            grad_norm = prec.step(optimizer, params, cfg.clip)
+            schedule.step()
+            opt_s = time.perf_counter() - t_opt
+
+            # -- metrics (summed over ranks for real backends; not counted as exchange bytes) ---
+            loss, mlm, nsp, tokens, samples = rt.sum_over_ranks([*losses.tolist(), tokens, samples])
+            progress["step"] = step = step + 1
+            progress["tokens"] += int(tokens)
+            progress["samples"] += int(samples)
+            progress["wall_s"] += stats.step_s + opt_s
+            progress["host_s"] = time.perf_counter() - t_start
+            rec = {"step": step, "loss": loss / n, "mlm_loss": mlm / n, "nsp_loss": nsp / n, "lr": lr,
+                   "tokens": progress["tokens"], "samples": progress["samples"], "step_s": stats.step_s + opt_s,
+                   "wall_s": progress["wall_s"], "compute_s": stats.compute_s, "compress_s": stats.compress_s,
+                   "comm_s": stats.comm_s, "opt_s": opt_s, "bytes_sent": int(stats.bytes_sent),
+                   "bytes_recv": int(stats.bytes_recv), "grad_norm": grad_norm, "clock": stats.clock,
+                   "host_s": progress["host_s"]}
+            if rt.is_main and cfg.eval_batches and (step == last or (cfg.eval_every and step % cfg.eval_every == 0)):
+                rec.update(evaluate(model, data, cfg, prec, rt.device))
+            log.write(rec)
+            bar.update(rec, tokens)
+            every = cfg.checkpoint_every
+            if (every and (step % every == 0 or step == cfg.steps)) or step == cfg.stop_at:
+                checkpoint.save_run(out, state, rt, cfg.keep_checkpoints)
+        bar.close()
+        log.close()
+
+        # -- summary (from the whole metrics file, so resumed runs are covered) ------------------
+        if not rt.is_main:
+            return {"rank": rt.rank}
+        info = {"model": cfg.model, "compressor": cfg.compressor, "backend": cfg.backend, "workers": n,
+                "bandwidth": cfg.bandwidth, "latency": cfg.latency, "optimizer": cfg.optimizer,
+                "precision": cfg.precision, "batch_size": cfg.batch_size, "accumulation": cfg.accumulation,
+                "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed, "params": sum(p.numel() for p in params),
+                "initial_eval_loss": progress["initial_eval_loss"], "out": str(out)}
+        none_bytes = allreduce_bytes(4 * info["params"], rt.num_workers)  # fp32 ring allreduce of every gradient
+        summary = summarize(read_metrics(metrics_path), info, none_bytes)
+        write_json(summary, out / "summary.json")
+        return summary
+    finally:
+        rt.close()

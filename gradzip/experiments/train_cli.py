@@ -1,0 +1,191 @@
+"""``gradzip train``: the command line of :func:`gradzip.experiments.train.train`.
+
+Configuration: defaults < the saved ``config.toml`` of ``--out`` (with ``--resume``) <
+``--config FILE.toml`` < flags given on the command line.
+
+Launching, for ``--backend gloo|nccl|mpi``:
+
+- under an external launcher (torchrun, mpirun/mpiexec, srun: detected from the environment),
+  this process is one rank and the world size comes from the launcher (``--workers`` is ignored);
+- otherwise ``gradzip train`` starts ``--workers`` local processes itself
+  (:func:`gradzip.comm.launch.spawn_local`; ``mpi`` uses the environment's ``mpirun``) and waits
+  for them. The children carry ``GRADZIP_TRAIN_CHILD=1`` and the launcher's variables, so they
+  never spawn again. The parent checks ``--out`` and builds the data cache first.
+- ``--netem HOSTS:RATE`` runs the ranks inside the network testbed instead: the launch goes
+  through ``gradzip.netem.run.launch_in_testbed(cfg, argv, env_extra) -> int`` (see
+  :func:`_launch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from gradzip.errors import GradzipError
+from gradzip.experiments.config import BACKENDS, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, load_toml, write_toml
+from gradzip.experiments.runtime import LAUNCH_MARKER
+
+_D = TrainConfig()  # defaults, for the help texts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    # Flags not given stay absent (SUPPRESS), so that --config and a resumed run's settings apply.
+    def flag(group: Any, name: str, help: str, show_default: bool = True, **kw: Any) -> None:
+        dest = kw.get("dest", name[2:].replace("-", "_"))
+        if show_default:
+            d = getattr(_D, dest)
+            help += f" (default {d:g})" if isinstance(d, float) else f" (default {d})"
+        group.add_argument(name, default=argparse.SUPPRESS, help=help, **kw)
+
+    g = p.add_argument_group("what to train")
+    flag(g, "--model", "bert-tiny|bert-mini|bert-small|bert-medium|bert-base|bert-large")
+    flag(g, "--compressor", "compressor spec, e.g. powersgd:rank=4 or topk:ratio=0.01,ef=true (see gradzip ls)",
+         metavar="SPEC")
+    flag(g, "--optimizer", "adamw, or lamb (You et al. 2019)", choices=OPTIMIZERS)
+    flag(g, "--lr", "peak learning rate", type=float)
+    flag(g, "--warmup", "linear warm-up in steps, or a fraction of --steps if below 1; then linear decay "
+         "to 0 at --steps", type=float)
+    flag(g, "--weight-decay", "decoupled; not applied to biases and LayerNorm", type=float)
+    flag(g, "--clip", "clip the global gradient norm to this (0: off)", type=float)
+    flag(g, "--precision", "fp32; bf16 autocast (CPU or CUDA); fp16 autocast + gradient scaling (CUDA only)",
+         choices=PRECISIONS)
+    flag(g, "--seed", "seeds the model init, data order and masking, dropout", type=int)
+
+    g = p.add_argument_group("batch and length")
+    flag(g, "--batch-size", "sequences per worker per micro-step", type=int)
+    flag(g, "--accumulation", "micro-steps per optimizer step (gradient accumulation)", type=int)
+    flag(g, "--seq-len", "tokens per sequence, at most 512", type=int)
+    flag(g, "--steps", "optimizer steps", type=int)
+    flag(g, "--stop-at", "stop (with a checkpoint) after this step, keeping the LR schedule of --steps; "
+         "continue later with --resume", show_default=False, type=int, metavar="STEP")
+
+    g = p.add_argument_group("workers and network")
+    flag(g, "--backend", "sim: N workers in this process on a modelled network; gloo/nccl (torch.distributed), "
+         "mpi (mpi4py): one process per worker", choices=BACKENDS)
+    flag(g, "--workers", "workers: sim, or local processes started by this command (under torchrun/mpirun/srun "
+         "the launcher decides)", type=int)
+    flag(g, "--bandwidth", "sim: link bandwidth, e.g. 1gbit, 100mbit")
+    flag(g, "--latency", "sim: per-message latency, e.g. 50us")
+    flag(g, "--bucket-cap-mb", "gradient bucket size in MB", type=float)
+    flag(g, "--min-compress-numel", "tensors with fewer elements go uncompressed", type=int)
+    flag(g, "--timeout", "seconds allowed for init and for each collective", type=float)
+    flag(g, "--device", "auto: CUDA if available", choices=DEVICES)
+    flag(g, "--netem", "run HOSTS ranks in the network testbed (root), one emulated host each, e.g. 4:100mbit "
+         "or 4:1gbit:0.1ms:0.01 (see gradzip netem --help)", show_default=False, metavar="HOSTS:RATE[:DELAY[:LOSS%]]")
+
+    g = p.add_argument_group("data")
+    flag(g, "--corpus", "text file or directory, JSONL with a 'text' field, or hf:NAME (default: the built-in "
+         "corpus)", show_default=False, metavar="PATH|hf:NAME")
+    flag(g, "--vocab-size", "WordPiece vocabulary size (default: the model's)", show_default=False, type=int)
+
+    g = p.add_argument_group("evaluation, checkpoints, outputs")
+    flag(g, "--eval-every", "held-out loss every N steps and after the last (0: only after the last)", type=int)
+    flag(g, "--eval-batches", "held-out batches per evaluation (0: no evaluation)", type=int)
+    flag(g, "--checkpoint-every", "checkpoint every N steps and after the last (0: none)", type=int)
+    flag(g, "--keep-checkpoints", "how many of the newest checkpoints are kept", type=int)
+    flag(g, "--out", "output directory; must be new or empty (default runs/<model>-<compressor>-<backend><N>-<time>)",
+         show_default=False, metavar="DIR")
+    flag(g, "--resume", "continue the run in --out from its newest checkpoint (its config.toml is the base)",
+         show_default=False, action="store_true")
+    flag(g, "--config", "settings file; keys as the flags (batch-size or batch_size); flags override it",
+         show_default=False, metavar="FILE.toml")
+    flag(g, "--no-progress", "no progress bar", show_default=False, dest="progress", action="store_false")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Merge defaults < resumed run's config.toml < --config file < flags, strictly validated."""
+    names = {f.name for f in fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    from_file: dict[str, Any] = {}
+    if given.get("config"):
+        from_file = load_toml(given["config"])
+        TrainConfig.from_dict({k: v for k, v in from_file.items() if k != "config"}, source=given["config"])
+    resume = given.get("resume", from_file.get("resume", False))
+    out = given.get("out", from_file.get("out"))
+    base: dict[str, Any] = {}
+    if resume and out and (Path(out) / "config.toml").is_file():
+        saved = Path(out) / "config.toml"
+        base = load_toml(saved)
+        TrainConfig.from_dict(base, source=str(saved))
+    return TrainConfig.from_dict({**base, **from_file, **given})
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if cfg.real_backend and not os.environ.get(LAUNCH_MARKER) and not _under_launcher():
+        return _spawn(cfg)
+    from gradzip.experiments.train import train
+
+    summary = train(cfg)
+    if "final_loss" in summary and not os.environ.get(LAUNCH_MARKER):  # spawned: the parent reports
+        _print_summary(summary)
+    return 0
+
+
+def _under_launcher() -> bool:
+    from gradzip.comm.launch import detect_launcher_env
+
+    return detect_launcher_env().external
+
+
+def _spawn(cfg: TrainConfig) -> int:
+    """Start ``cfg.workers`` local ranks running this command, wait, report."""
+    from gradzip.experiments.runtime import Runtime, build_data, check_out_dir
+
+    cfg.check_runtime()
+    cfg = cfg.replace(out=cfg.out or cfg.default_out())
+    check_out_dir(cfg)  # refuse before any process starts; reads only
+    import torch
+
+    build_data(cfg, Runtime(device=torch.device("cpu"), rank=0, num_workers=1))  # warm the data cache once
+    env = {LAUNCH_MARKER: "1"}
+    if "OMP_NUM_THREADS" not in os.environ:  # N processes share the cores
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.workers))
+    with tempfile.TemporaryDirectory(prefix="gradzip-train-") as tmp:
+        path = Path(tmp) / "config.toml"
+        write_toml(cfg, path)  # the fully resolved config, so every rank runs exactly this
+        argv = ["train", "--config", str(path)] + (["--resume"] if cfg.resume else [])
+        if cfg.stop_at is not None:  # per-invocation settings are not in config.toml
+            argv += ["--stop-at", str(cfg.stop_at)]
+        rc = _launch(cfg, argv, env)
+    if rc == 0 and (Path(cfg.out) / "summary.json").is_file():
+        _print_summary(json.loads((Path(cfg.out) / "summary.json").read_text()))
+    elif rc != 0:
+        sys.stderr.write(f"gradzip train: {cfg.workers} {cfg.backend} ranks: a rank failed (exit code {rc}); "
+                         "see its message above\n")
+    return rc
+
+
+def _launch(cfg: TrainConfig, argv: list[str], env: dict[str, str]) -> int:
+    """Start the ranks. The network-testbed hook: with ``--netem``, the testbed's launcher runs
+    one rank per emulated host; otherwise local processes on this machine."""
+    if cfg.netem:
+        try:
+            from gradzip.netem.run import launch_in_testbed
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("gradzip"):
+                raise
+            raise GradzipError("--netem needs the network testbed (gradzip.netem.run), "
+                               "which this installation lacks") from None
+        return int(launch_in_testbed(cfg, argv, env_extra=env))
+    from gradzip.comm.launch import spawn_local
+
+    # No overall timeout: a run takes as long as it takes; each collective has cfg.timeout.
+    return int(spawn_local(cfg.backend, cfg.workers, argv, env_extra=env))
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    def f(v: Any, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {s.get('compressor')} on "
+          f"{s.get('workers')} {s.get('backend')} workers: loss {f(s.get('final_loss'), '.4f')}, "
+          f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "
+          f"({s.get('clock')}), {f(s.get('bytes_per_step'), ',.0f')} bytes/step sent per rank, "
+          f"compression {f(s.get('compression_ratio'), '.1f')}x -> {s.get('out')}")
