@@ -73,6 +73,7 @@ class ErrorFeedback(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         return self.decompress_batch(payload, ctx)[0]
 
+    @torch.no_grad()
     def compress_batch(self, tensors: Sequence[Tensor], key: str = "") -> tuple[Payload, Any]:
         mem = self.memory.get(key)
         if mem is None or [m.shape for m in mem] != [t.shape for t in tensors]:
@@ -89,6 +90,7 @@ class ErrorFeedback(Compressor):
             self._update_memory(payload, ctx)
         return payload, ctx
 
+    @torch.no_grad()
     def next_round_batch(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
         payload, inner_ctx = self.inner.next_round_batch(reduced, ctx.inner)
         payload = _unalias(payload, ctx.compensated)
@@ -102,6 +104,10 @@ class ErrorFeedback(Compressor):
         transmitted = self.inner.decompress_batch(payload, ctx.inner)
         for m, t in zip(ctx.compensated, transmitted):
             m.sub_(t)
+            # A non-finite gradient (an fp16 overflow step that the grad scaler skips) would
+            # poison the memory for good: drop the residual instead.
+            if not torch.isfinite(m).all():
+                m.zero_()
         ctx.compensated = None
 
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:

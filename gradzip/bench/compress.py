@@ -1,0 +1,221 @@
+"""``gradzip bench compress``: encode+decode time of every registered compressor against a memcpy.
+
+For each compressor (default parameters, with ``ratio=0.01`` for top-k and random-k and ``rank=4``
+for PowerSGD) one rank's round trip is timed through the bucket API the engine uses::
+
+    payload, ctx = c.compress_batch(tensors, key)
+    for _ in range(1, c.rounds): payload, ctx = c.next_round_batch(payload, ctx)   # own payload = mean of 1
+    out = c.decompress_batch(payload, ctx)
+
+on a flat fp32 gradient of ``--numel`` elements (default 2^24). Reported per compressor: the payload
+bytes on the wire (summed over rounds, measured), the compression ratio (fp32 bytes / payload bytes),
+the median (``--stat min``: the minimum) time of ``--repeat`` runs after one warm-up, and the same
+statistic of a memcpy of the same bytes (``dst.copy_(src)`` into a preallocated buffer), timed
+interleaved with it in the same run.
+
+PowerSGD gets BERT-base-shaped matrices instead of a flat vector: the last layers' weights
+(768×3072, 3072×768, 4 × 768×768 per layer) as views of one flat bucket in the engine's order, as
+many whole matrices as fit in ``--numel`` (for small ``--numel`` the hidden size is scaled down). It
+is also compared with its own matmuls, the bare batched ``P = M Q``, ``Q = Mᵀ P`` and ``M̂ = P Qᵀ``
+on contiguous stacks of the same shapes.
+
+Compressors are measured bare (no error feedback) unless ``--ef`` is given. Targets (benchmark
+results, not tests): fp16/bf16 <= 2x memcpy, onebit <= 4x, topk at 1% <= 10x, PowerSGD rank 4 <=
+1.5x its matmuls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradzip.compress import create, registry
+from gradzip.compress.base import Compressor
+from gradzip.errors import GradzipError
+
+PARAMS = {"topk": "ratio=0.01", "randomk": "ratio=0.01", "powersgd": "rank=4"}
+# name -> (reference, max ratio to it)
+TARGETS = {"fp16": ("memcpy", 2.0), "bf16": ("memcpy", 2.0), "onebit": ("memcpy", 4.0),
+           "topk": ("memcpy", 10.0), "powersgd": ("matmul", 1.5)}
+BERT_HIDDEN = 768
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--numel", type=int, default=2**24, help="gradient elements (default: 2^24 = 16777216)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per compressor, after one warm-up; "
+                        "see --stat (default: 5)")
+    parser.add_argument("--stat", choices=("median", "min"), default="median",
+                        help="statistic of the timed runs (min is robust on a loaded machine; default: median)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="benchmark only these compressors")
+    parser.add_argument("--ef", action="store_true", help="wrap every compressor in error feedback "
+                        "(default: the bare compressors)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
+
+
+def bert_shapes(numel: int) -> list[tuple[int, int]]:
+    """BERT-base layer weights, last layer first, as many whole matrices as fit in ``numel``."""
+    h = BERT_HIDDEN if numel >= 12 * BERT_HIDDEN**2 else max(2, math.isqrt(max(numel, 12) // 12))
+    layer = [(h, 4 * h), (4 * h, h), (h, h), (h, h), (h, h), (h, h)]  # FFN out, FFN in, attention o, v, k, q
+    shapes: list[tuple[int, int]] = []
+    total = 0
+    for s in layer * (numel // (12 * h * h) + 1):
+        if total + s[0] * s[1] > numel:
+            break
+        shapes.append(s)
+        total += s[0] * s[1]
+    return shapes
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.numel < 1 or args.repeat < 1 or (args.threads is not None and args.threads < 1):
+        raise GradzipError(f"--numel, --repeat and --threads must be >= 1 (got {args.numel}, {args.repeat}, "
+                           f"{args.threads})")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        device = torch.device(args.device)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise GradzipError(f"--device {args.device!r} is not usable here: {str(e).splitlines()[0]}") from None
+    names = list(registry())
+    unknown = sorted(set(args.only or []) - set(names))
+    if unknown:
+        raise GradzipError(f"unknown compressor(s) {', '.join(unknown)} for --only; choose from: {', '.join(names)}")
+    rows, failed = [], False
+    for name in args.only or names:
+        spec = f"{name}:{','.join([*([PARAMS[name]] if name in PARAMS else []), f'ef={str(args.ef).lower()}'])}"
+        try:
+            rows.append(bench_one(create(spec), args.numel, args.repeat, device, args.stat))
+        except Exception as e:  # one broken compressor should not hide the others' numbers
+            failed = True
+            rows.append({"name": name, "spec": spec, "error": f"{type(e).__name__}: {e}"})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_table(rows, args, device)
+    return 1 if failed else 0
+
+
+def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat: str = "median") -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    if c.name == "powersgd":
+        shapes: list[Sequence[int]] = list(bert_shapes(numel))
+        flat = torch.randn(sum(n * m for n, m in shapes), generator=gen).to(device)
+        tensors, offset = [], 0
+        for n, m in shapes:  # views of one flat bucket, as the engine hands them
+            tensors.append(flat[offset:offset + n * m].view(n, m))
+            offset += n * m
+    else:
+        flat = torch.randn(numel, generator=gen).to(device)
+        tensors, shapes = [flat], [(numel,)]
+    dst = torch.empty_like(flat)
+    sent: list[int] = []
+
+    def roundtrip() -> None:
+        payload, ctx = c.compress_batch(tensors, "bench")
+        sent[:] = [sum(t.numel() * t.element_size() for t in payload)]
+        for _ in range(1, c.rounds):
+            payload, ctx = c.next_round_batch(payload, ctx)
+            sent.append(sum(t.numel() * t.element_size() for t in payload))
+        c.decompress_batch(payload, ctx)
+
+    timed: dict[str, Callable[[], Any]] = {"time_s": roundtrip, "memcpy_s": lambda: dst.copy_(flat)}
+    if c.name == "powersgd":
+        timed["matmul_s"] = _matmuls(shapes, getattr(c, "inner", c).config.rank, device, gen)
+    times = _interleaved(timed, repeat, device, statistics.median if stat == "median" else min)
+    raw = flat.numel() * 4
+    row: dict[str, Any] = {"name": c.name, "spec": c.spec, "numel": flat.numel(), "payload_bytes": sum(sent),
+                           "compression_ratio": raw / sum(sent) if sum(sent) else math.inf, **times,
+                           "ratio_to_memcpy": times["time_s"] / times["memcpy_s"]}
+    if "matmul_s" in times:
+        row["ratio_to_matmul"] = times["time_s"] / times["matmul_s"]
+    if c.name == "powersgd":
+        row["shapes"] = [list(s) for s in shapes]
+    if c.name in TARGETS:
+        ref, limit = TARGETS[c.name]
+        row["target"] = f"<= {limit:g}x {ref}"
+        row["meets_target"] = row[f"ratio_to_{ref}"] <= limit
+    row.update(device=str(device), threads=torch.get_num_threads(), repeat=repeat, stat=stat)
+    return row
+
+
+def _matmuls(shapes: Sequence[Sequence[int]], rank: int, device: torch.device,
+             gen: torch.Generator) -> Callable[[], None]:
+    """PowerSGD's three batched matmuls on contiguous per-shape stacks of ``shapes``."""
+    groups: dict[tuple[int, int], int] = {}
+    for n, m in shapes:
+        groups[(n, m)] = groups.get((n, m), 0) + 1
+    stacks = []
+    for (n, m), b in groups.items():
+        r = min(rank, n, m)
+        stacks.append((torch.randn(b, n, m, generator=gen).to(device), torch.randn(b, m, r, generator=gen).to(device)))
+
+    def fn() -> None:
+        for mats, q in stacks:
+            p = torch.bmm(mats, q)
+            q2 = torch.bmm(mats.transpose(1, 2), p)
+            torch.bmm(p, q2.transpose(1, 2))
+
+    return fn
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int, device: torch.device,
+                 stat: Callable[[list[float]], float]) -> dict[str, float]:
+    """``stat`` of each function's seconds; the functions alternate, so drifting load hits all alike."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(repeat + 1):  # the first pass is the warm-up
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i:
+                samples[k].append(time.perf_counter() - t0)
+    return {k: stat(v) for k, v in samples.items()}
+
+
+def print_table(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.device) -> None:
+    print(f"gradzip bench compress: {args.numel} fp32 elements, device {device}, {torch.get_num_threads()} "
+          f"threads, {args.stat} of {args.repeat} after a warm-up, {'with' if args.ef else 'without'} error feedback")
+    head = ("compressor", "spec", "payload", "ratio", "time ms", "memcpy ms", "x memcpy", "matmul ms",
+            "x matmul", "target")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append((r["name"], r["spec"], "error: " + r["error"], "", "", "", "", "", "", ""))
+            continue
+        target = f"{r['target']}: {'ok' if r['meets_target'] else 'MISSED'}" if "target" in r else ""
+        mm = (f"{r['matmul_s'] * 1e3:.2f}", f"{r['ratio_to_matmul']:.2f}") if "matmul_s" in r else ("", "")
+        lines.append((r["name"], r["spec"], _size(r["payload_bytes"]), f"{r['compression_ratio']:.1f}x",
+                      f"{r['time_s'] * 1e3:.2f}", f"{r['memcpy_s'] * 1e3:.2f}", f"{r['ratio_to_memcpy']:.2f}", *mm,
+                      target))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    for j, line in enumerate(lines):
+        print("  ".join(str(v).ljust(w) if i < 2 or i == len(head) - 1 else str(v).rjust(w)
+                        for i, (v, w) in enumerate(zip(line, widths))).rstrip())
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    for r in rows:
+        if "shapes" in r:
+            print(f"{r['name']}: {len(r['shapes'])} BERT-shaped matrices, {r['numel']} elements: "
+                  + ", ".join(f"{n}x{m}" for n, m in r["shapes"]))
+    sys.stdout.flush()
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
