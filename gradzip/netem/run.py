@@ -1,0 +1,227 @@
+"""Run the ranks of ``gradzip train`` inside the network testbed, one rank per emulated host.
+
+``gradzip train --backend gloo --netem 4:100mbit`` (spelling ``HOSTS:RATE[:DELAY[:LOSS%]]``, e.g.
+``4:1gbit:0.1ms:0.01``) runs HOSTS ranks; rank i runs in namespace ``gz-hI`` (via ``ip netns exec``)
+and binds to its address 198.18.0.(i+1); the rendezvous (MASTER_ADDR) is host 0's address. With
+``--backend mpi`` the same happens under ``mpirun`` (TCP only, restricted to the testbed
+addresses). ``--workers`` is ignored: the world size is HOSTS. In a sweep, a ``gloo``/``mpi`` cell
+that sets ``bandwidth`` runs as ``--netem WORKERS:BANDWIDTH`` (:func:`netem_for_cell`).
+
+The testbed (prefix ``GRADZIP_NETEM_PREFIX``, default ``gz``):
+
+- not up: built for the run and removed afterwards (also on failure or Ctrl-C);
+- up with at least HOSTS hosts: used as is, or reshaped for the run and restored afterwards.
+
+Wire bytes: before and after the run, each host's ``tx_bytes`` are read; ``summary.json`` gets
+
+- ``wire_bytes``: bytes all ranks' interfaces transmitted during the run (L2 frames: payload,
+  TCP/IP/Ethernet headers, ACKs, rendezvous, the start-up broadcast and bookkeeping; veth passes
+  GSO super-packets, so headers count once per up-to-64 KB packet);
+- ``wire_frame_bytes``: the same traffic as the shapers counted it, headers once per MTU-sized
+  segment (what a real Ethernet link with TSO carries, less preamble and FCS);
+- ``accounted_bytes``: what the communication layer accounts for the same run, summed over ranks:
+  ``workers · Σ_steps bytes_sent`` (bytes_sent: rank 0's, as in metrics.jsonl) plus the start-up
+  broadcast of the fp32 parameters, ``(workers − 1) · 4 · params``;
+- ``wire_overhead = wire_bytes / accounted_bytes − 1``;
+- ``wire_bytes_per_step = wire_bytes / (workers · steps)``: per rank per step, the unit of
+  ``bytes_per_step`` (start-up traffic amortised over the steps of this run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gradzip.errors import GradzipError
+from gradzip.netem import testbed
+from gradzip.netem.testbed import Shaping, Testbed
+from gradzip.units import parse_bandwidth, parse_latency
+
+SPEC_HELP = "HOSTS:RATE[:DELAY[:LOSS%]], e.g. 4:100mbit or 4:1gbit:0.1ms:0.01"
+
+
+@dataclass(frozen=True)
+class NetemSpec:
+    hosts: int
+    shaping: Shaping
+    text: str
+
+
+def parse_netem(text: str) -> NetemSpec:
+    """``"4:100mbit:0.1ms:0.5"`` -> 4 hosts, 100 Mbit/s, 0.1 ms delay, 0.5 % loss."""
+    parts = str(text).strip().split(":")
+    if not 2 <= len(parts) <= 4 or not re.fullmatch(r"\d+", parts[0]):
+        raise GradzipError(f"--netem must look like {SPEC_HELP}, got {text!r}")
+    hosts = int(parts[0])
+    if not 1 <= hosts <= 250:
+        raise GradzipError(f"--netem: HOSTS must be between 1 and 250, got {hosts}")
+    try:
+        rate = parse_bandwidth(parts[1])
+        delay = parse_latency(parts[2]) if len(parts) > 2 else 0.0
+    except GradzipError as e:
+        raise GradzipError(f"--netem: {e}") from None
+    from gradzip.netem.cli import parse_loss
+
+    loss = parse_loss(parts[3]) if len(parts) > 3 else 0.0
+    return NetemSpec(hosts, Shaping(rate, delay, loss), str(text).strip())
+
+
+def default_prefix() -> str:
+    return testbed.validate_prefix(os.environ.get("GRADZIP_NETEM_PREFIX", testbed.DEFAULT_PREFIX))
+
+
+@contextlib.contextmanager
+def testbed_for(spec: NetemSpec, prefix: str | None = None) -> Iterator[tuple[Testbed, str]]:
+    """The testbed for a run: ``(testbed, how)`` with how ``created``/``existing``/``reshaped``.
+    Whatever this created or changed is undone on exit, whatever the exit."""
+    prefix = prefix or default_prefix()
+    testbed.check_privileges()
+    old = testbed.load(prefix)
+    if old is not None and sorted(testbed._owned(prefix, testbed.list_namespaces())) == sorted(old.namespaces()):
+        if old.hosts < spec.hosts:
+            raise GradzipError(f"testbed {prefix!r} is up with {old.hosts} hosts but --netem asks for {spec.hosts}; "
+                               f"`gradzip netem down` it first, or use at most {old.hosts} hosts")
+        if old.shaping == spec.shaping:
+            yield old, "existing"
+            return
+        tb = testbed.reshape(prefix, spec.shaping)
+        try:
+            yield tb, "reshaped"
+        finally:
+            with testbed._signals_ignored():
+                testbed.reshape(prefix, old.shaping)
+        return
+    tb, _ = testbed.up(spec.hosts, spec.shaping, prefix)
+    try:
+        yield tb, "created"
+    finally:
+        with testbed._signals_ignored():
+            testbed.down(prefix)
+
+
+def netem_for_cell(config: dict[str, Any]) -> dict[str, Any]:
+    """Sweep hook: a cell with a real backend (``gloo``, ``mpi``) that sets ``bandwidth`` and no
+    ``netem`` runs in the testbed, ``netem = "<workers>:<bandwidth>"`` (the ``sim`` backend models
+    the bandwidth instead; ``latency`` stays a ``sim`` setting: netem's delay is per packet)."""
+    if config.get("backend") in ("gloo", "mpi") and "bandwidth" in config and not config.get("netem"):
+        from gradzip.experiments.config import TrainConfig
+
+        return {**config, "netem": f"{config.get('workers', TrainConfig.workers)}:{config['bandwidth']}"}
+    return config
+
+
+def launch_in_testbed(cfg: Any, argv: list[str], env_extra: dict[str, str] | None = None) -> int:
+    """The ``gradzip train --netem`` hook: start one rank per host of the testbed, wait, then add the
+    wire-byte report to ``cfg.out/summary.json``. Returns the ranks' exit code."""
+    from gradzip.comm.launch import spawn_local
+
+    spec = parse_netem(cfg.netem)
+    if cfg.backend not in ("gloo", "mpi"):
+        raise GradzipError(f"--netem needs --backend gloo or mpi, not {cfg.backend!r}")
+    n = spec.hosts
+    env = dict(env_extra or {})
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // n))
+    ip = testbed._tool("ip")
+    with testbed_for(spec) as (tb, how):
+        addrs = [tb.host_addr(i) for i in range(n)]
+        sys.stderr.write(f"gradzip train: {n} {cfg.backend} ranks in testbed {tb.prefix} ({how}): "
+                         f"{addrs[0]}..{addrs[-1]}, egress {spec.shaping.describe()} per host\n")
+        before = testbed.counters(tb, n)
+        if cfg.backend == "mpi":
+            rc = spawn_mpi(tb, n, argv, env)
+        else:
+            rc = spawn_local(cfg.backend, n, argv, env_extra=env, bind_addrs=addrs,
+                             prefix=lambda r: [ip, "netns", "exec", tb.host_ns(r)])
+        after = testbed.counters(tb, n)
+    if rc == 0 and cfg.out and (Path(cfg.out) / "summary.json").is_file():
+        s = add_wire_report(Path(cfg.out), spec, tb, how, before, after)
+        if s.get("wire_overhead") is not None:
+            sys.stderr.write(f"gradzip train: on the wire {s['wire_bytes']:,} bytes from {n} hosts, "
+                             f"{s['wire_overhead']:+.2%} vs the {s['accounted_bytes']:,} bytes accounted "
+                             f"({s['wire_frame_overhead']:+.2%} counting every frame's headers)\n")
+    return rc
+
+
+def spawn_mpi(tb: Testbed, n: int, argv: list[str], env_extra: dict[str, str], timeout: float | None = None,
+              module: str = "gradzip") -> int:
+    """``python -m mpi4py -m <module> <argv>`` as n MPI ranks, rank i in host i's namespace.
+
+    A per-rank ``ip netns exec`` wrapper under an ordinary mpirun does not work: each rank talks to
+    its local PMIx server over TCP loopback, which does not cross namespaces. So mpirun runs inside
+    host 0's namespace with a hostfile of the testbed's addresses, and its remote-shell agent (the
+    ``ssh`` it would use between machines) is a script that starts each host's daemon with
+    ``ip netns exec``. MPI is restricted to TCP on the testbed subnet; the collectives that use
+    shared memory between ranks on one machine (han, xhc, acoll, sm) are off, since the ranks here
+    only look local (same hostname)."""
+    import shlex
+    import tempfile
+
+    from gradzip.comm.launch import _supervise, find_mpirun
+
+    ip, mpirun = testbed._tool("ip"), find_mpirun()
+    env = dict(os.environ, **env_extra)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="gradzip-netem-mpi-") as tmp:
+        agent, hostfile = Path(tmp) / "agent.sh", Path(tmp) / "hosts"
+        cases = "".join(f"  {tb.host_addr(i)}) ns={tb.host_ns(i)} ;;\n" for i in range(n))
+        agent.write_text("#!/bin/sh\n# gradzip netem: mpirun's remote shell = enter the host's namespace\n"
+                         f"host=\"$1\"; shift\ncase \"$host\" in\n{cases}"
+                         "  *) echo \"gradzip netem agent: unknown host $host\" >&2; exit 1 ;;\nesac\n"
+                         f"exec {shlex.quote(ip)} netns exec \"$ns\" /bin/sh -c \"$*\"\n")
+        agent.chmod(0o755)
+        hostfile.write_text("".join(f"{tb.host_addr(i)} slots=1\n" for i in range(n)))
+        cmd = [ip, "netns", "exec", tb.host_ns(0), mpirun, "-n", str(n), "--hostfile", str(hostfile),
+               "--prtemca", "plm_ssh_agent", str(agent), "--prtemca", "oob_tcp_if_include", tb.subnet,
+               "--mca", "oob_tcp_if_include", tb.subnet, "--mca", "btl", "self,tcp", "--mca", "pml", "ob1",
+               "--mca", "btl_tcp_if_include", tb.subnet, "--mca", "coll", "^han,xhc,acoll,sm", "--bind-to", "none"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        for k in sorted({*env_extra, "OMP_NUM_THREADS"}):
+            cmd += ["-x", k]
+        cmd += [sys.executable, "-m", "mpi4py", "-m", module, *argv]
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        return _supervise([proc], ["mpirun"], timeout, 10.0)
+
+
+def wire_report(summary: dict[str, Any], before: list[testbed.HostCounters],
+                after: list[testbed.HostCounters]) -> dict[str, Any]:
+    """The wire-byte fields (see the module docstring) for a run's summary."""
+    n = len(before)
+    tx = [a.tx_bytes - b.tx_bytes for a, b in zip(after, before)]
+    frames = [a.shaped_bytes - b.shaped_bytes for a, b in zip(after, before)]
+    steps = int(summary.get("steps") or 0)
+    per_step = float(summary.get("bytes_per_step") or 0.0)
+    params = int(summary.get("params") or 0)
+    accounted = n * per_step * steps + (n - 1) * 4 * params
+    return {
+        "wire_bytes": sum(tx),
+        "wire_frame_bytes": sum(frames),
+        "wire_bytes_by_host": tx,
+        "wire_drops": sum(a.drops - b.drops for a, b in zip(after, before)),
+        "accounted_bytes": int(accounted),
+        "wire_overhead": (sum(tx) / accounted - 1.0) if accounted > 0 else None,
+        "wire_frame_overhead": (sum(frames) / accounted - 1.0) if accounted > 0 else None,
+        "wire_bytes_per_step": sum(tx) / (n * steps) if steps else None,
+    }
+
+
+def add_wire_report(out: Path, spec: NetemSpec, tb: Testbed, how: str, before: list[testbed.HostCounters],
+                    after: list[testbed.HostCounters]) -> dict[str, Any]:
+    from gradzip.experiments.metrics import write_json
+
+    path = out / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.update(wire_report(summary, before, after))
+    summary["netem"] = {"spec": spec.text, "hosts": spec.hosts, "prefix": tb.prefix, "testbed": how,
+                        "addresses": [tb.host_addr(i) for i in range(spec.hosts)], "mtu": tb.mtu,
+                        "loss_method": tb.loss_method, **asdict(spec.shaping)}
+    write_json(summary, path)
+    return summary

@@ -1,0 +1,477 @@
+"""``gradzip simulate``: predict the step time of data-parallel BERT training on a cluster of any
+size from a cost model (nothing is trained; runs in a second on a laptop).
+
+Per step and per GPU (every GPU does the same work, so one is enough):
+
+1. compute_s = batch_size · seq_len · accumulation / tokens_per_second — forward + backward +
+   optimizer of the GPU's micro-batches at the single-GPU throughput you measured (a flag).
+2. Gradients: the shapes of every parameter from the model configuration
+   (:func:`gradzip.models.parameter_shapes`), bucketed exactly as the engine does
+   (:func:`gradzip.engine.buckets.assign_buckets`: reverse order, ``bucket_cap_mb``, tensors under
+   ``min_compress_numel`` elements in plain buckets sent uncompressed).
+3. Payload bytes of each bucket from the compressor's own formula
+   (``compressor.batch_payload_bytes``); plain buckets send their gradient dtype's bytes.
+4. compress_s = encode_cost · (elements in compressed buckets)
+   + aggregate_cost · (n − 1) · (elements in compressed buckets)   [allgather compressors only:
+   each other rank's payload is decoded into a dense tensor and summed].
+   Costs in seconds per element, measured by ``gradzip bench compress --json`` or given.
+5. comm_s: α–β time of the collectives (:mod:`gradzip.comm.cost`), one per payload tensor per
+   round (multi-round compressors such as PowerSGD: every round is a collective):
+
+   - ring allreduce over n GPUs:  2(n−1)·α + 2(n−1)/n · S · 8 / B
+   - ring allgather over n GPUs:  (n−1)·α + (n−1) · s · 8 / B
+   - hierarchical (default): intra-node reduce-scatter, inter-node ring allreduce of the
+     1/g shard, intra-node allgather (allgather: inter-node ring, then intra-node allgather).
+     The node's NIC is shared by its g GPUs, whose g inter-node rings run concurrently, so each
+     gets B_inter / g. With one GPU per node, hierarchical equals ring.
+   - a flat ring across nodes runs at the speed of its inter-node hops (B_inter, α_inter);
+     within one node at B_intra, α_intra.
+   - B is the link bandwidth times ``link_efficiency`` (framing: TCP/IPv4 over Ethernet at MTU
+     1500 carries 1448 payload bytes per 1514-byte frame, 0.956).
+6. Overlap: backward_s = backward_fraction · compute_s / accumulation (the backward of the last
+   micro-batch, during which buckets are sent); exposed_comm_s = max(0, comm_s − overlap ·
+   backward_s). Compression is not overlapped (it runs on the compute device).
+7. step_s = compute_s + compress_s + exposed_comm_s; cluster tokens/s = n · tokens per step /
+   step_s; scaling efficiency = (cluster tokens/s) / (n · tokens_per_second) = compute_s / step_s;
+   days = tokens · epochs / cluster tokens/s / 86400.
+
+Ignored on purpose: stragglers and jitter, contention between compression kernels and
+communication, congestion beyond the per-node NIC, the optimizer step's own scaling (it is part of
+tokens_per_second), and start-up (checkpoints, evaluation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from gradzip.comm import cost
+from gradzip.compress.base import Compressor
+from gradzip.compress.registry import create
+from gradzip.errors import GradzipError
+from gradzip.units import parse_bandwidth, parse_latency
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ALGORITHMS = ("hierarchical", "ring")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    inter_bps: float
+    intra_bps: float
+    inter_latency_s: float = 50e-6
+    intra_latency_s: float = 5e-6
+    algorithm: str = "hierarchical"
+    link_efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise GradzipError(f"--nodes and --gpus-per-node must be >= 1, got {self.nodes} and {self.gpus_per_node}")
+        if not (self.inter_bps > 0 and self.intra_bps > 0):
+            raise GradzipError("bandwidths must be positive (e.g. 10gbit)")
+        if self.inter_latency_s < 0 or self.intra_latency_s < 0:
+            raise GradzipError("latencies must not be negative")
+        if self.algorithm not in ALGORITHMS:
+            raise GradzipError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if not 0 < self.link_efficiency <= 1:
+            raise GradzipError(f"--link-efficiency must be in (0, 1], got {self.link_efficiency}")
+
+    @property
+    def workers(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def inter(self, share: int = 1) -> cost.Link:
+        return cost.Link(self.inter_bps * self.link_efficiency / share, self.inter_latency_s)
+
+    def intra(self) -> cost.Link:
+        return cost.Link(self.intra_bps * self.link_efficiency, self.intra_latency_s)
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    tokens_per_second: float  # one GPU, alone: forward + backward + optimizer
+    batch_size: int = 32      # per GPU micro-batch
+    seq_len: int = 128
+    accumulation: int = 1
+    overlap: float = 0.0
+    backward_fraction: float = 2 / 3
+    bucket_cap_mb: float = 25.0
+    min_compress_numel: int = 1024
+    grad_dtype: str = "fp32"
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens_per_second > 0:
+            raise GradzipError(f"--tokens-per-second must be positive, got {self.tokens_per_second}")
+        for name in ("batch_size", "seq_len", "accumulation"):
+            if getattr(self, name) < 1:
+                raise GradzipError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.overlap <= 1:
+            raise GradzipError(f"--overlap must be in [0, 1], got {self.overlap}")
+        if not 0 <= self.backward_fraction <= 1:
+            raise GradzipError(f"--backward-fraction must be in [0, 1], got {self.backward_fraction}")
+        if not self.bucket_cap_mb > 0 or self.min_compress_numel < 0:
+            raise GradzipError("--bucket-cap-mb must be positive and --min-compress-numel >= 0")
+        if self.grad_dtype not in DTYPES:
+            raise GradzipError(f"unknown gradient dtype {self.grad_dtype!r}; choose one of {', '.join(DTYPES)}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one GPU processes per optimizer step."""
+        return self.batch_size * self.seq_len * self.accumulation
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """Seconds per gradient element: own encode + decode, and per other rank's payload (allgather)."""
+
+    encode_s: float = 0.0
+    aggregate_s: float = 0.0
+    source: str = "none (compression time not modelled)"
+
+
+@dataclass
+class Prediction:
+    compressor: str
+    workers: int
+    params: int
+    payload_bytes: int          # per GPU per step, all rounds (the compressor's formula)
+    sent_bytes: int             # per GPU per step by the flat-ring formulas (= the engine's bytes_sent)
+    compression_ratio: float    # fp32 gradient bytes / payload bytes
+    collectives: int            # per step
+    compute_s: float
+    backward_s: float
+    compress_s: float
+    comm_s: float               # total link time of the step's collectives
+    exposed_comm_s: float
+    step_s: float
+    tokens_per_s: float         # whole cluster
+    scaling_efficiency: float
+    days: float | None = None
+    detail: dict[str, float] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ the model's buckets
+@dataclass(frozen=True)
+class BucketShape:
+    shapes: tuple[tuple[int, ...], ...]
+    numel: int
+    compressed: bool
+
+
+@functools.lru_cache(maxsize=32)
+def model_buckets(model: str, vocab_size: int | None, cap_mb: float, min_compress_numel: int,
+                  separate_small: bool, dtype_name: str = "fp32") -> tuple[tuple[BucketShape, ...], int]:
+    """The engine's buckets for the named model (shapes only: meta tensors, nothing allocated)."""
+    from gradzip.engine.buckets import MiB, assign_buckets
+    from gradzip.models import bert_config, parameter_shapes
+
+    cfg = bert_config(model) if vocab_size is None else bert_config(model, vocab_size=vocab_size)
+    shapes = parameter_shapes(cfg)
+    dtype = DTYPES[dtype_name]
+    params = [(n, torch.nn.Parameter(torch.empty(s, device="meta", dtype=dtype))) for n, s in shapes.items()]
+    buckets = assign_buckets(params, int(cap_mb * MiB), min_compress_numel, separate_small=separate_small)
+    out = tuple(BucketShape(tuple(tuple(s) for s in b.shapes), b.numel, b.compressed) for b in buckets)
+    return out, sum(math.prod(s) for s in shapes.values())
+
+
+@functools.lru_cache(maxsize=64)
+def payload_tensors_per_round(spec: str) -> tuple[int, ...]:
+    """How many payload tensors (= collectives) each round of a compressed bucket sends, probed on
+    a tiny bucket (a 32×32 matrix and a 32-vector)."""
+    comp = create(spec)
+    g = torch.Generator().manual_seed(0)
+    bucket = [torch.randn(32, 32, generator=g), torch.randn(32, generator=g)]
+    payload, ctx = comp.compress_batch(bucket, "probe")
+    counts = [len(payload)]
+    for _ in range(1, comp.rounds):
+        payload = tuple(p.clone() for p in payload)
+        payload, ctx = comp.next_round_batch(payload, ctx)
+        counts.append(len(payload))
+    return tuple(counts)
+
+
+def separate_small_for(comp: Compressor) -> bool:
+    # As the engine: with plain `none`, small tensors ride in the ordinary buckets (no extra collectives).
+    from gradzip.compress.none import NoCompression
+
+    return type(comp) is not NoCompression
+
+
+# ------------------------------------------------------------------------------ collectives
+def allreduce_time(nbytes: float, collectives: int, cl: Cluster) -> float:
+    """α–β time of ``collectives`` allreduces carrying ``nbytes`` in total (per GPU buffer)."""
+    n, g, nodes = cl.workers, cl.gpus_per_node, cl.nodes
+    if n <= 1 or collectives == 0:
+        return 0.0
+    if cl.algorithm == "hierarchical" and g > 1 and nodes > 1:
+        def one(b: float, lat: bool) -> float:
+            inter, intra = cl.inter(share=g), cl.intra()
+            if not lat:
+                inter, intra = cost.Link(inter.bandwidth_bps), cost.Link(intra.bandwidth_bps)
+            return cost.hierarchical_allreduce_time(b, nodes, g, inter, intra)
+        return one(nbytes, False) + collectives * one(0.0, True)
+    link = cl.inter() if nodes > 1 else cl.intra()
+    return (cost.allreduce_time(nbytes, n, cost.Link(link.bandwidth_bps))
+            + collectives * cost.allreduce_time(0.0, n, link))
+
+
+def allgather_time(nbytes: float, collectives: int, cl: Cluster) -> float:
+    """α–β time of ``collectives`` allgathers in which every GPU contributes ``nbytes`` in total."""
+    n, g, nodes = cl.workers, cl.gpus_per_node, cl.nodes
+    if n <= 1 or collectives == 0:
+        return 0.0
+
+    def ag(size: float, ranks: int, link: cost.Link, lat: bool) -> float:
+        if not lat:
+            link = cost.Link(link.bandwidth_bps)
+        return cost.allgather_time([int(round(size))] * ranks, link) if ranks > 1 else 0.0
+
+    if cl.algorithm == "hierarchical" and g > 1 and nodes > 1:
+        # inter-node: g concurrent rings (one per local rank) share the NIC; then intra-node
+        # allgather of the nodes·s bytes each GPU received.
+        def one(s: float, lat: bool) -> float:
+            return ag(s, nodes, cl.inter(share=g), lat) + ag(nodes * s, g, cl.intra(), lat)
+        return one(nbytes, False) + collectives * one(0.0, True)
+    link = cl.inter() if nodes > 1 else cl.intra()
+    return ag(nbytes, n, link, False) + collectives * ag(0.0, n, link, True)
+
+
+# ------------------------------------------------------------------------------ prediction
+def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost = CodecCost(),
+            tokens: float | None = None, epochs: float = 1.0) -> Prediction:
+    """The cost model of the module docstring for one compressor spec."""
+    comp = create(spec)
+    dtype = DTYPES[work.grad_dtype]
+    esize = torch.empty((), dtype=dtype).element_size()
+    buckets, params = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
+                                    separate_small_for(comp), work.grad_dtype)
+    n = cl.workers
+    per_round = payload_tensors_per_round(comp.spec)
+    ar_bytes = ag_bytes = 0.0
+    ar_calls = ag_calls = 0
+    payload = sent = 0
+    compressed_numel = 0
+    for b in buckets:
+        if not b.compressed:
+            nbytes = b.numel * esize
+            payload += nbytes
+            ar_bytes += nbytes
+            ar_calls += 1
+            sent += cost.allreduce_bytes(nbytes, n)
+            continue
+        compressed_numel += b.numel
+        nbytes = comp.batch_payload_bytes(b.shapes, dtype)
+        payload += nbytes
+        if comp.collective == "allgather":
+            ag_bytes += nbytes
+            ag_calls += sum(per_round)
+            sent += (n - 1) * nbytes
+        else:
+            ar_bytes += nbytes
+            ar_calls += sum(per_round)
+            sent += cost.allreduce_bytes(nbytes, n)
+    compute = work.tokens_per_step / work.tokens_per_second
+    backward = work.backward_fraction * compute / work.accumulation
+    compress = codec.encode_s * compressed_numel
+    if comp.collective == "allgather":
+        compress += codec.aggregate_s * (n - 1) * compressed_numel
+    t_ar, t_ag = allreduce_time(ar_bytes, ar_calls, cl), allgather_time(ag_bytes, ag_calls, cl)
+    comm = t_ar + t_ag
+    exposed = max(0.0, comm - work.overlap * backward)
+    step = compute + compress + exposed
+    tps = n * work.tokens_per_step / step
+    return Prediction(
+        compressor=comp.spec, workers=n, params=params, payload_bytes=int(payload), sent_bytes=int(sent),
+        compression_ratio=params * 4 / payload if payload else math.inf,
+        collectives=(ar_calls + ag_calls) if n > 1 else 0,
+        compute_s=compute, backward_s=backward, compress_s=compress, comm_s=comm, exposed_comm_s=exposed,
+        step_s=step, tokens_per_s=tps, scaling_efficiency=compute / step,
+        days=None if tokens is None else tokens * epochs / tps / 86400.0,
+        detail={"allreduce_s": t_ar, "allgather_s": t_ag, "compressed_elements": compressed_numel},
+    )
+
+
+# ------------------------------------------------------------------------------ encode costs
+def _param_set(spec: str) -> tuple[str, frozenset[str]]:
+    """(name, {"k=v", ...}) of a spec, ignoring ``ef`` (bench rows may repeat it)."""
+    name, _, rest = spec.strip().lower().partition(":")
+    return name, frozenset(p.strip() for p in rest.split(",") if p.strip() and not p.strip().startswith("ef="))
+
+
+def codec_from_bench(path: str, spec: str) -> CodecCost:
+    """Per-element costs of ``spec`` from a ``gradzip bench compress --json`` file.
+
+    Rows: ``{"name", "spec", "numel", "time_s"}`` (compress + decompress of one payload), or with
+    separate ``compress_s``/``decompress_s``. The row with the same name and parameters (``ef``
+    ignored) is used, else the first row with the same name. encode = time / numel; aggregate
+    (per other rank, allgather compressors) = decompress time / numel, or half the round trip
+    when the row does not separate them.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GradzipError(f"--encode-cost file {path} does not exist "
+                           "(write it with `gradzip bench compress --json > FILE.json`)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GradzipError(f"--encode-cost file {path} is not JSON: {e}") from None
+    rows = data.get("results", []) if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise GradzipError(f"--encode-cost file {path}: expected a list of rows")
+    comp = create(spec)
+    want = _param_set(getattr(comp, "inner", comp).spec)
+    rows = [r for r in rows if isinstance(r, dict) and r.get("numel") and "error" not in r]
+    named = [r for r in rows if _param_set(str(r.get("spec") or r.get("name") or ""))[0] == want[0]]
+    exact = [r for r in named if _param_set(str(r.get("spec") or r.get("name")))[1] == want[1]]
+    for r in exact or named:
+        numel, where = float(r["numel"]), f"{path} ({r.get('spec') or r.get('name')}, {r['numel']} elements)"
+        if r.get("compress_s") is not None and r.get("decompress_s") is not None:
+            return CodecCost((r["compress_s"] + r["decompress_s"]) / numel, r["decompress_s"] / numel, where)
+        total = r.get("time_s", r.get("seconds"))
+        if total is not None:
+            return CodecCost(total / numel, total / 2 / numel, where)
+    raise GradzipError(f"--encode-cost file {path} has no timing for {want[0]}; "
+                       f"run `gradzip bench compress --json --only {want[0]}`")
+
+
+def codec_for(spec: str, encode: str | None, aggregate: str | None) -> CodecCost:
+    """The codec cost of ``spec`` from the flags (``none``: zero, it sends the gradient itself)."""
+    is_file = encode is not None and (Path(encode).suffix == ".json" or Path(encode).exists())
+    enc = None if encode is None or is_file else _nonneg(encode, "--encode-cost")
+    agg = None if aggregate is None else _nonneg(aggregate, "--aggregate-cost")
+    comp = create(spec)
+    if type(getattr(comp, "inner", comp)).__name__ == "NoCompression":
+        return CodecCost(0.0, 0.0, "none: nothing to encode")
+    if is_file:
+        base = codec_from_bench(str(encode), spec)
+    elif enc is not None:
+        base = CodecCost(enc, 0.0, f"--encode-cost {encode} s/element")
+    else:
+        base = CodecCost()
+    if agg is not None:
+        base = CodecCost(base.encode_s, agg, base.source + f", --aggregate-cost {aggregate}")
+    return base
+
+
+def _nonneg(text: str, flag: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise GradzipError(f"{flag} takes a JSON file from `gradzip bench compress --json` or seconds per "
+                           f"element, got {text!r}") from None
+    if v < 0 or not math.isfinite(v):
+        raise GradzipError(f"{flag} must be a finite number >= 0, got {text!r}")
+    return v
+
+
+# ------------------------------------------------------------------------------ CLI
+EPILOG = __doc__.split("\n\n", 1)[1] + """
+Example (the README's projection):
+  gradzip simulate --model bert-large --nodes 8 --gpus-per-node 4 --inter-bandwidth 10gbit \\
+      --intra-bandwidth 100gbit --tokens-per-second 5600 --batch-size 32 --seq-len 128 \\
+      --compressor none --compressor fp16 --compressor topk:ratio=0.01,ef=true --tokens 16.75e9 --epochs 40
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from gradzip.models import MODEL_SIZES
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    a = parser.add_argument
+    a("--model", default="bert-large", help=f"one of {', '.join(MODEL_SIZES)} (default bert-large)")
+    a("--vocab-size", type=int, default=None, help="override the model's vocabulary size")
+    a("--nodes", type=int, default=8, help="number of nodes (default 8)")
+    a("--gpus-per-node", type=int, default=4, help="GPUs (workers) per node (default 4)")
+    a("--inter-bandwidth", default="10gbit", help="network bandwidth per node (NIC), e.g. 10gbit (default)")
+    a("--intra-bandwidth", default="100gbit", help="GPU-to-GPU bandwidth inside a node (default 100gbit)")
+    a("--latency", default="50us", help="α per message between nodes (default 50us)")
+    a("--intra-latency", default="5us", help="α per message inside a node (default 5us)")
+    a("--algorithm", default="hierarchical", choices=ALGORITHMS, help="collective algorithm (default hierarchical)")
+    a("--link-efficiency", type=float, default=1.0,
+      help="fraction of the bandwidth that carries payload (default 1; TCP over Ethernet MTU 1500: 0.956)")
+    a("--tokens-per-second", type=float, required=True, help="one GPU's training throughput alone (tokens/s)")
+    a("--batch-size", type=int, default=32, help="sequences per GPU per micro-batch (default 32)")
+    a("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    a("--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    a("--compressor", action="append", default=None, metavar="SPEC",
+      help="compressor spec; repeat for a table (default none)")
+    a("--overlap", type=float, default=0.0,
+      help="fraction of the last backward that hides communication, 0..1 (default 0)")
+    a("--backward-fraction", type=float, default=2 / 3, help="backward share of compute time (default 2/3)")
+    a("--bucket-cap-mb", type=float, default=25.0, help="engine bucket size in MiB (default 25)")
+    a("--min-compress-numel", type=int, default=1024, help="smaller tensors are sent uncompressed (default 1024)")
+    a("--grad-dtype", default="fp32", choices=list(DTYPES), help="gradient dtype (default fp32)")
+    a("--encode-cost", default=None, metavar="FILE.json|S",
+      help="`gradzip bench compress --json` output, or seconds per element for encode+decode (default 0)")
+    a("--aggregate-cost", default=None, metavar="S",
+      help="seconds per element per other rank to decode+sum allgathered payloads (default: from the JSON, else 0)")
+    a("--tokens", type=float, default=None, help="tokens per epoch, for the days-to-train column (e.g. 16.75e9)")
+    a("--epochs", type=float, default=1.0, help="epochs over --tokens (default 1)")
+    a("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _build(args: argparse.Namespace) -> tuple[Workload, Cluster]:
+    from gradzip.models import MODEL_SIZES
+
+    if args.model not in MODEL_SIZES:
+        raise GradzipError(f"unknown model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise GradzipError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.tokens is not None and not args.tokens > 0 or not args.epochs > 0:
+        raise GradzipError("--tokens and --epochs must be positive")
+    work = Workload(args.model, args.tokens_per_second, args.batch_size, args.seq_len, args.accumulation,
+                    args.overlap, args.backward_fraction, args.bucket_cap_mb, args.min_compress_numel,
+                    args.grad_dtype, args.vocab_size)
+    cl = Cluster(args.nodes, args.gpus_per_node, _bandwidth(args.inter_bandwidth, "--inter-bandwidth"),
+                 _bandwidth(args.intra_bandwidth, "--intra-bandwidth"), parse_latency(args.latency),
+                 parse_latency(args.intra_latency), args.algorithm, args.link_efficiency)
+    return work, cl
+
+
+def _bandwidth(text: str, flag: str) -> float:
+    if str(text).strip().startswith("-"):
+        raise GradzipError(f"{flag} must be positive, got {text!r} (e.g. 10gbit)")
+    try:
+        return parse_bandwidth(text)
+    except GradzipError as e:
+        raise GradzipError(f"{flag}: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    work, cl = _build(args)
+    specs = args.compressor or ["none"]
+    preds = []
+    for spec in specs:
+        codec = codec_for(spec, args.encode_cost, args.aggregate_cost)
+        preds.append((predict(spec, work, cl, codec, args.tokens, args.epochs), codec))
+    width = max(12, *(len(s) for s in specs))
+    if args.json:
+        json.dump({"cluster": asdict(cl), "workload": asdict(work),
+                   "results": [dict(asdict(p), codec=asdict(c)) for p, c in preds]}, sys.stdout, indent=1)
+        print()
+        return 0
+    p0 = preds[0][0]
+    print(f"{work.model}: {p0.params / 1e6:.1f} M parameters; {cl.nodes} nodes x {cl.gpus_per_node} GPUs = "
+          f"{cl.workers} workers; {args.inter_bandwidth} between nodes, {args.intra_bandwidth} inside; "
+          f"{cl.algorithm}; {work.tokens_per_step} tokens per GPU per step at {work.tokens_per_second:g} tokens/s")
+    head = (f"{'compressor':<{width}} {'MB/GPU':>8} {'ratio':>7} {'compute':>8} {'compress':>9} {'comm':>8} "
+            f"{'exposed':>8} {'step':>8} {'tokens/s':>10} {'eff.':>6}" + (f" {'days':>7}" if args.tokens else ""))
+    print(head)
+    for spec, (p, _) in zip(specs, preds):
+        line = (f"{spec:<{width}} {p.payload_bytes / 1e6:>8.2f} {p.compression_ratio:>6.1f}x "
+                f"{p.compute_s * 1e3:>6.0f}ms {p.compress_s * 1e3:>7.0f}ms {p.comm_s * 1e3:>6.0f}ms "
+                f"{p.exposed_comm_s * 1e3:>6.0f}ms {p.step_s * 1e3:>6.0f}ms {p.tokens_per_s:>10,.0f} "
+                f"{p.scaling_efficiency:>5.0%}")
+        print(line + (f" {p.days:>7.1f}" if p.days is not None else ""))
+    return 0

@@ -1,0 +1,545 @@
+"""Emulated hosts with shaped links on one Linux machine: network namespaces, veth, a bridge, tc.
+
+Layout of a testbed with prefix ``gz`` and N hosts::
+
+    netns gz-br:  bridge br0, ports h0 .. h{N-1}          (the "switch")
+    netns gz-hI:  eth0 = 198.18.0.(I+1)/24, the other end of port hI
+                  egress of eth0 shaped by tc: htb (rate) [-> netem (delay, loss)]
+
+Nothing is created in the root namespace: the veth pairs are created with both ends directly in
+their namespaces, so the testbed's traffic cannot leave the machine, and the addresses come from
+the benchmarking range 198.18.0.0/15 (RFC 2544) so they cannot clash with real ones.
+
+Shaping, per host, on the host's egress (so every host sends at most ``rate``, like a NIC):
+
+- ``htb`` class 1:10 with ``rate == ceil``: a token bucket. It counts each GSO segment with its
+  headers, so TCP goodput is about MSS/(MSS+66) of the rate (95.6 % at MTU 1500).
+- delay and loss: a ``netem`` leaf under that class when the kernel has sch_netem. Kernels without
+  it (CONFIG_NET_SCH_NETEM unset) get loss from a classic-BPF filter that sends a random fraction
+  of packets to a class whose queue holds nothing (bfifo limit 0); delay then cannot be emulated
+  and asking for it is an error. Loss, either way, applies to the packets as the kernel queues
+  them: a GSO super-packet (up to 64 KB) is dropped as a whole.
+
+State: ``/run/gradzip-netem/<prefix>.json`` records what was built (``GRADZIP_NETEM_STATE_DIR``
+overrides the directory), so ``status`` and ``down`` work from any process. ``down`` also removes
+namespaces that follow the naming scheme but have no state (an earlier process killed with -9).
+A lock file serialises ``up``/``down``/``reshape`` of one prefix.
+
+Failure safety: :func:`up` builds inside ``try``; any exception, Ctrl-C or SIGTERM deletes every
+namespace it created (which removes their links and qdiscs) before re-raising.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gradzip.errors import GradzipError
+from gradzip.units import format_bandwidth
+
+ALLOWED = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544 benchmarking range
+DEFAULT_PREFIX = "gz"
+DEFAULT_SUBNET = "198.18.0.0/24"
+HOST_IF = "eth0"
+BRIDGE_IF = "br0"
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+# Test hook: a build step at which to fail ("raise:<step>") or to send ourselves SIGTERM or SIGINT
+# ("sigterm:<step>", "sigint:<step>"); steps are "bridge", "host:<i>", "shape:<i>". Unset in normal use.
+FAIL_ENV = "GRADZIP_NETEM_FAIL_AT"
+
+
+class NetemError(GradzipError):
+    """A testbed command failed or the machine cannot host a testbed."""
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """Egress shaping of every host: rate in bits/s, one-way added delay in seconds, loss in %."""
+
+    rate_bps: float
+    delay_s: float = 0.0
+    loss_pct: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.rate_bps > 0:
+            raise GradzipError(f"rate must be positive, got {self.rate_bps} bit/s (e.g. 100mbit)")
+        if self.delay_s < 0 or self.delay_s > 10:
+            raise GradzipError(f"delay must be between 0 and 10 s, got {self.delay_s} s")
+        if not 0 <= self.loss_pct < 100:
+            raise GradzipError(f"loss must be a percentage in [0, 100), got {self.loss_pct}")
+
+    def describe(self) -> str:
+        s = format_bandwidth(self.rate_bps)
+        if self.delay_s:
+            s += f", delay {self.delay_s * 1e3:g} ms"
+        if self.loss_pct:
+            s += f", loss {self.loss_pct:g}%"
+        return s
+
+
+@dataclass
+class Testbed:
+    """What was built. Plain data; see the module docstring for the layout."""
+
+    prefix: str
+    hosts: int
+    shaping: Shaping
+    subnet: str = DEFAULT_SUBNET
+    mtu: int = 1500
+    loss_method: str = "none"  # "none" | "netem" | "bpf"
+    created: float = 0.0
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.prefix}-br"
+
+    def host_ns(self, i: int) -> str:
+        return f"{self.prefix}-h{i}"
+
+    def host_addr(self, i: int) -> str:
+        return str(ipaddress.ip_network(self.subnet)[i + 1])
+
+    @property
+    def prefixlen(self) -> int:
+        return ipaddress.ip_network(self.subnet).prefixlen
+
+    def namespaces(self) -> list[str]:
+        return [self.bridge_ns] + [self.host_ns(i) for i in range(self.hosts)]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shaping"] = asdict(self.shaping)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Testbed:
+        d = dict(d)
+        d["shaping"] = Shaping(**d["shaping"])
+        return cls(**d)
+
+
+@dataclass
+class HostCounters:
+    """Counters of one host's interface: what the host sent (tx) and received (rx), and what its
+    shaper queued (``shaped_bytes`` counts each GSO segment with its own headers)."""
+
+    tx_bytes: int
+    tx_packets: int
+    rx_bytes: int
+    shaped_bytes: int
+    drops: int
+
+
+# ------------------------------------------------------------------------------ prerequisites
+def _tool(name: str) -> str:
+    sbin = (f"/usr/sbin/{name}", f"/sbin/{name}")  # not on a non-root user's PATH on some distributions
+    path = shutil.which(name) or next((p for p in sbin if os.access(p, os.X_OK)), None)
+    if not path:
+        raise NetemError(f"the `{name}` command is missing: install iproute2 (e.g. apt-get install iproute2)")
+    return path
+
+
+def _effective_caps() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def check_privileges() -> None:
+    """Raise NetemError unless this process may create namespaces and configure tc."""
+    if not Path("/proc/self/status").exists() or os.uname().sysname != "Linux":
+        raise NetemError("gradzip netem needs Linux (network namespaces and tc)")
+    caps = _effective_caps()
+    needed = (("CAP_NET_ADMIN", CAP_NET_ADMIN), ("CAP_SYS_ADMIN", CAP_SYS_ADMIN))  # tc and links; `ip netns add`
+    missing = [n for n, bit in needed if not caps >> bit & 1]
+    if missing:
+        raise NetemError(
+            f"gradzip netem needs root (or {' and '.join(missing)}: namespaces, links and tc qdiscs); "
+            "run it with sudo"
+        )
+    _tool("ip")
+    _tool("tc")
+
+
+def validate_prefix(prefix: str) -> str:
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", prefix or ""):
+        raise GradzipError(f"bad testbed prefix {prefix!r}: use 1-12 lower-case letters and digits, "
+                           "starting with a letter")
+    return prefix
+
+
+def validate_subnet(subnet: str, hosts: int) -> str:
+    try:
+        net = ipaddress.ip_network(subnet, strict=True)
+    except ValueError as e:
+        raise GradzipError(f"bad subnet {subnet!r}: {e} (e.g. 198.18.0.0/24)") from None
+    if net.version != 4 or not net.subnet_of(ALLOWED):  # type: ignore[arg-type]
+        raise GradzipError(f"subnet {subnet} is outside the benchmarking range {ALLOWED}; use e.g. 198.18.0.0/24")
+    if hosts > net.num_addresses - 2:
+        raise GradzipError(f"subnet {subnet} has room for {net.num_addresses - 2} hosts, not {hosts}")
+    return str(net)
+
+
+# ------------------------------------------------------------------------------ commands
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    tool = _tool(argv[0])
+    try:
+        p = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise NetemError(f"`{' '.join(argv)}` did not finish within 30 s") from None
+    if check and p.returncode != 0:
+        msg = " ".join((p.stderr or p.stdout).split()) or f"exit code {p.returncode}"
+        raise NetemError(f"`{' '.join(argv)}` failed: {msg}")
+    return p
+
+
+def list_namespaces() -> list[str]:
+    p = _run("ip", "-j", "netns", "list", check=False)
+    if p.returncode != 0 or not p.stdout.strip():
+        return []
+    return [d["name"] for d in json.loads(p.stdout)]
+
+
+def _owned(prefix: str, names: list[str]) -> list[str]:
+    pat = re.compile(re.escape(prefix) + r"-(br|h\d+)")
+    return [n for n in names if pat.fullmatch(n)]
+
+
+def _hook(step: str) -> None:
+    spec = os.environ.get(FAIL_ENV, "")
+    action, _, at = spec.partition(":")
+    if at != step:
+        return
+    if action in ("sigterm", "sigint"):
+        os.kill(os.getpid(), signal.SIGTERM if action == "sigterm" else signal.SIGINT)
+        time.sleep(5)  # the handler raises before this returns
+    raise NetemError(f"injected failure at step {step} ({FAIL_ENV}={spec})")
+
+
+# ------------------------------------------------------------------------------ state
+def state_dir() -> Path:
+    return Path(os.environ.get("GRADZIP_NETEM_STATE_DIR", "/run/gradzip-netem"))
+
+
+def _state_path(prefix: str) -> Path:
+    return state_dir() / f"{prefix}.json"
+
+
+def load(prefix: str = DEFAULT_PREFIX) -> Testbed | None:
+    """The recorded testbed of ``prefix``, or None."""
+    try:
+        return Testbed.from_dict(json.loads(_state_path(prefix).read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError):
+        return None  # unreadable state: treated as absent; `down` still removes the namespaces
+
+
+def _save(tb: Testbed) -> None:
+    path = _state_path(tb.prefix)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(tb.to_dict(), indent=1))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(prefix: str) -> Iterator[None]:
+    d = state_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"{prefix}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn SIGTERM (and SIGHUP) into SystemExit so that ``finally`` blocks run (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Let a rollback finish even if the user presses Ctrl-C again."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _delete(names: list[str]) -> None:
+    # Hosts first, then the bridge; deleting a namespace deletes its links and qdiscs.
+    for ns in sorted(names, key=lambda n: n.endswith("-br")):
+        _run("ip", "netns", "del", ns, check=False)
+
+
+# ------------------------------------------------------------------------------ shaping
+_NETEM_OK: bool | None = None
+
+
+def netem_available(probe_ns: str) -> bool:
+    """Whether the kernel has sch_netem (probed once, on a throw-away veth inside ``probe_ns``)."""
+    global _NETEM_OK
+    if _NETEM_OK is None:
+        _run("ip", "-n", probe_ns, "link", "add", "gzprobe0", "type", "veth", "peer", "name", "gzprobe1")
+        try:
+            p = _run("tc", "-n", probe_ns, "qdisc", "add", "dev", "gzprobe0", "root", "netem", "delay", "1ms",
+                     check=False)
+            _NETEM_OK = p.returncode == 0
+        finally:
+            _run("ip", "-n", probe_ns, "link", "del", "gzprobe0", check=False)
+    return _NETEM_OK
+
+
+def _loss_method(shaping: Shaping, probe_ns: str) -> str:
+    if not shaping.delay_s and not shaping.loss_pct:
+        return "none"
+    if netem_available(probe_ns):
+        return "netem"
+    if shaping.delay_s:
+        raise NetemError(
+            "this kernel has no sch_netem (CONFIG_NET_SCH_NETEM), which --delay needs: "
+            "use --delay 0, or `modprobe sch_netem` on a kernel that has the module"
+        )
+    return "bpf"
+
+
+def _shape(ns: str, shaping: Shaping, method: str) -> None:
+    """htb root 1: -> link class 1:1 (rate) -> 1:5 small TCP packets (pure ACKs), priority 0, and
+    1:10 everything else; netem leaves under both for delay/loss; 1:20 is the bpf loss sink.
+
+    Why the ACK class: in a ring every host sends and receives at once, so its egress queue holds
+    its own data *and* the ACKs of the flow it receives. With one FIFO those ACKs wait behind up
+    to several MB of data (TCP small queues allow 4 MB per socket here), the reverse flow's RTT
+    balloons and it becomes window-limited: one direction then runs 20-30 % below the rate.
+    A switch port at 10 Gbit/s drains such a queue in milliseconds; at emulated rates it takes
+    seconds, so the emulator serves small packets first (as fq/fq_codel would)."""
+    bps = shaping.rate_bps
+    tc = ("tc", "-n", ns)
+    dev = ("dev", HOST_IF)
+    _run(*tc, "qdisc", "del", *dev, "root", check=False)
+    _run(*tc, "qdisc", "add", *dev, "root", "handle", "1:", "htb", "default", "10")
+
+    def cls(parent: str, classid: str, rate: float, *extra: str) -> None:
+        # quantum only matters between sibling classes; a fixed one silences htb's r2q warning.
+        _run(*tc, "class", "add", *dev, "parent", parent, "classid", classid, "htb", "rate", f"{int(rate)}bit",
+             "ceil", f"{int(bps)}bit", "quantum", "60000", *extra)
+
+    cls("1:", "1:1", bps)
+    cls("1:1", "1:5", bps / 20, "prio", "0")
+    cls("1:1", "1:10", bps * 19 / 20, "prio", "1")
+    if method == "netem":
+        args = ["delay", f"{shaping.delay_s * 1e6:.0f}us"] if shaping.delay_s else []
+        if shaping.loss_pct:
+            args += ["loss", f"{shaping.loss_pct:g}%"]
+        for leaf in ("5", "10"):
+            _run(*tc, "qdisc", "add", *dev, "parent", f"1:{leaf}", "handle", f"{leaf}:", "netem", *args,
+                 "limit", "100000")
+    elif method == "bpf":
+        # Classic BPF: A = random u32; if A >= threshold classify into 1:20 (queue of 0 bytes = drop).
+        threshold = min(2**32 - 1, int(round(2**32 * (1 - shaping.loss_pct / 100))))
+        code = f"4,32 0 0 {2**32 - 0x1000 + 56},53 0 1 {threshold},6 0 0 {2**32 - 1},6 0 0 0"
+        cls("1:", "1:20", bps)
+        _run(*tc, "qdisc", "add", *dev, "parent", "1:20", "handle", "20:", "bfifo", "limit", "0")
+        _run(*tc, "filter", "add", *dev, "parent", "1:", "pref", "1", "bpf", "bytecode", code, "classid", "1:20")
+    # IPv4 without options (IHL 5), TCP, total length < 128 bytes: pure ACKs (with SACK blocks).
+    _run(*tc, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "pref", "2", "u32",
+         "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f", "at", "0",
+         "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:5")
+
+
+# ------------------------------------------------------------------------------ up / down
+def up(
+    hosts: int,
+    shaping: Shaping,
+    prefix: str = DEFAULT_PREFIX,
+    subnet: str = DEFAULT_SUBNET,
+    mtu: int = 1500,
+) -> tuple[Testbed, str]:
+    """Build (or keep, or reshape) the testbed. Returns it and what happened: ``"created"``,
+    ``"unchanged"`` (same parameters: a no-op) or ``"reshaped"`` (same hosts, new shaping).
+
+    A testbed that is up with another host count, subnet or MTU is an error (``down`` first).
+    On any failure or signal, everything created by this call is removed before raising.
+    """
+    validate_prefix(prefix)
+    if not 1 <= hosts <= 250:
+        raise GradzipError(f"--hosts must be between 1 and 250, got {hosts}")
+    if not 576 <= mtu <= 65000:
+        raise GradzipError(f"--mtu must be between 576 and 65000, got {mtu}")
+    subnet = validate_subnet(subnet, hosts)
+    check_privileges()
+    with _locked(prefix):
+        existing = _owned(prefix, list_namespaces())
+        old = load(prefix)
+        if old is not None and sorted(existing) == sorted(old.namespaces()):
+            if (old.hosts, old.subnet, old.mtu) != (hosts, subnet, mtu):
+                raise NetemError(
+                    f"testbed {prefix!r} is up with {old.hosts} hosts on {old.subnet}, MTU {old.mtu}; "
+                    f"run `gradzip netem down{_pfx(prefix)}` first"
+                )
+            if old.shaping == shaping:
+                return old, "unchanged"
+            return _reshape_locked(old, shaping), "reshaped"
+        if existing:  # leftovers of a killed process, or a state file that was lost
+            _delete(existing)
+        _state_path(prefix).unlink(missing_ok=True)
+        return _build(Testbed(prefix, hosts, shaping, subnet, mtu, created=time.time())), "created"
+
+
+def _pfx(prefix: str) -> str:
+    return "" if prefix == DEFAULT_PREFIX else f" --prefix {prefix}"
+
+
+def _build(tb: Testbed) -> Testbed:
+    created: list[str] = []
+    ok = False
+    try:
+        with _signals_raise():
+            br = tb.bridge_ns
+            _run("ip", "netns", "add", br)
+            created.append(br)
+            _run("ip", "-n", br, "link", "add", BRIDGE_IF, "type", "bridge")
+            _run("ip", "-n", br, "link", "set", BRIDGE_IF, "addrgenmode", "none")
+            _run("ip", "-n", br, "link", "set", BRIDGE_IF, "up")
+            tb.loss_method = _loss_method(tb.shaping, br)
+            _hook("bridge")
+            for i in range(tb.hosts):
+                ns, port = tb.host_ns(i), f"h{i}"
+                _run("ip", "netns", "add", ns)
+                created.append(ns)
+                _run("ip", "link", "add", HOST_IF, "netns", ns, "mtu", str(tb.mtu), "type", "veth",
+                     "peer", "name", port, "netns", br, "mtu", str(tb.mtu))
+                # No IPv6 link-local address: no router/neighbour solicitations in the counters.
+                _run("ip", "-n", ns, "link", "set", HOST_IF, "addrgenmode", "none")
+                _run("ip", "-n", br, "link", "set", port, "addrgenmode", "none")
+                _run("ip", "-n", br, "link", "set", port, "master", BRIDGE_IF)
+                _run("ip", "-n", br, "link", "set", port, "up")
+                _run("ip", "-n", ns, "addr", "add", f"{tb.host_addr(i)}/{tb.prefixlen}", "dev", HOST_IF)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "-n", ns, "link", "set", HOST_IF, "up")
+                _hook(f"host:{i}")
+                _shape(ns, tb.shaping, tb.loss_method)
+                _hook(f"shape:{i}")
+            _save(tb)
+            ok = True
+            return tb
+    finally:
+        if not ok:
+            with _signals_ignored():
+                # Also whatever a signal hit between `ip netns add` and the bookkeeping: up() only
+                # builds when no namespace of this prefix existed, so all of them are ours.
+                _delete(sorted(set(created) | set(_owned(tb.prefix, list_namespaces()))))
+                _state_path(tb.prefix).unlink(missing_ok=True)
+
+
+def reshape(prefix: str, shaping: Shaping) -> Testbed:
+    """Change the shaping of a running testbed (all hosts)."""
+    validate_prefix(prefix)
+    check_privileges()
+    with _locked(prefix):
+        tb = load(prefix)
+        if tb is None:
+            raise NetemError(f"no testbed {prefix!r} is up; run `gradzip netem up{_pfx(prefix)}` first")
+        return _reshape_locked(tb, shaping)
+
+
+def _reshape_locked(tb: Testbed, shaping: Shaping) -> Testbed:
+    method = _loss_method(shaping, tb.bridge_ns)
+    for i in range(tb.hosts):
+        _shape(tb.host_ns(i), shaping, method)
+    tb = Testbed(tb.prefix, tb.hosts, shaping, tb.subnet, tb.mtu, method, tb.created)
+    _save(tb)
+    return tb
+
+
+def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Remove the testbed's namespaces (with their links and qdiscs) and its state. Idempotent:
+    returns the namespaces removed (empty when nothing was up)."""
+    validate_prefix(prefix)
+    check_privileges()
+    with _locked(prefix), _signals_ignored():
+        names = _owned(prefix, list_namespaces())
+        _delete(names)
+        _state_path(prefix).unlink(missing_ok=True)
+        left = _owned(prefix, list_namespaces())
+    if left:
+        raise NetemError(f"could not remove namespaces {', '.join(left)} (processes still inside? see `ip netns pids`)")
+    return names
+
+
+def list_prefixes() -> list[str]:
+    """Prefixes with a recorded testbed."""
+    d = state_dir()
+    return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
+
+
+# ------------------------------------------------------------------------------ counters
+def counters(tb: Testbed, hosts: int | None = None) -> list[HostCounters]:
+    """Interface and shaper counters of the first ``hosts`` hosts (default all)."""
+    out = []
+    for i in range(tb.hosts if hosts is None else hosts):
+        ns = tb.host_ns(i)
+        link = json.loads(_run("ip", "-n", ns, "-s", "-j", "link", "show", "dev", HOST_IF).stdout)[0]["stats64"]
+        qdiscs = json.loads(_run("tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", HOST_IF).stdout or "[]")
+        root = next((q for q in qdiscs if q.get("root")), {})
+        out.append(HostCounters(
+            tx_bytes=int(link["tx"]["bytes"]), tx_packets=int(link["tx"]["packets"]),
+            rx_bytes=int(link["rx"]["bytes"]), shaped_bytes=int(root.get("bytes", 0)),
+            drops=int(root.get("drops", 0)),  # the root counts its children's drops too
+        ))
+    return out
+
+
+def status(prefix: str = DEFAULT_PREFIX) -> dict[str, Any] | None:
+    """A JSON-able description of the testbed (None if nothing of ``prefix`` exists)."""
+    validate_prefix(prefix)
+    check_privileges()
+    existing = _owned(prefix, list_namespaces())
+    tb = load(prefix)
+    if tb is None:
+        return None if not existing else {"prefix": prefix, "state": "broken", "namespaces": existing}
+    missing = sorted(set(tb.namespaces()) - set(existing))
+    d: dict[str, Any] = tb.to_dict()
+    d["state"] = "broken" if missing else "up"
+    d["missing"] = missing
+    d["shaping_text"] = tb.shaping.describe()
+    if not missing:
+        d["counters"] = [asdict(c) for c in counters(tb)]
+    d["host_list"] = [{"namespace": tb.host_ns(i), "address": tb.host_addr(i)} for i in range(tb.hosts)]
+    return d

@@ -1,0 +1,209 @@
+"""Validate ``gradzip simulate`` against real training in the network testbed.
+
+``python -m gradzip.netem.validate [--hosts 2 3] [--rates 25mbit 50mbit 100mbit]
+[--compressors none fp16 topk:ratio=0.01,ef=true] [--steps 10] [--md FILE]`` (root; ~10 min on 2 cores)
+
+For every host count H and compressor C:
+
+1. calibration: ``gradzip train --backend gloo --netem H:10gbit`` (``--calibration-steps`` steps)
+   — the network is not the bottleneck; the medians of its per-step ``compute_s + opt_s`` and
+   ``compress_s`` (this machine's measured compute and encode/decode time for H ranks sharing its
+   cores) calibrate the model;
+2. for every rate R: ``gradzip train --backend gloo --netem H:R``, measured step time = median of
+   ``step_s`` over the steps after the first ``--warmup``;
+3. prediction: :func:`gradzip.netem.simulate.predict` for H nodes × 1 GPU, bandwidth R,
+   link efficiency 1448/1514 (TCP/IPv4 with timestamps over Ethernet, MTU 1500: the shaper
+   counts every frame's headers), α = half the testbed's measured TCP round trip, overlap 0 (with
+   bert-tiny every bucket is ready only at the end of backward), compute and compression from (1).
+
+Error = predicted / measured − 1, per configuration. A second error replaces the calibration's
+compute and compression by the run's own measured ones, so that it isolates the network model
+(on a shared machine, compute time drifts between runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from gradzip.netem import simulate as sim
+from gradzip.netem import testbed
+from gradzip.units import parse_bandwidth
+
+LINK_EFFICIENCY = 1448 / 1514
+PREFIX = "gzval"
+
+PING = textwrap.dedent("""
+    import socket, sys, time
+    if sys.argv[1] == "server":
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((sys.argv[2], 5301)); s.listen(1); print("ready", flush=True)
+        c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while (b := c.recv(64)):
+            c.sendall(b)
+    else:
+        c = socket.create_connection((sys.argv[2], 5301), timeout=10)
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rtts = []
+        for _ in range(200):
+            t = time.perf_counter(); c.sendall(b"x"); c.recv(64); rtts.append(time.perf_counter() - t)
+        rtts.sort(); print(rtts[len(rtts) // 2])
+""")
+
+
+def measure_rtt(tb: testbed.Testbed) -> float:
+    """Median TCP round trip (1-byte ping-pong) between hosts 0 and 1, in seconds."""
+    ip = testbed._tool("ip")
+    srv = subprocess.Popen([ip, "netns", "exec", tb.host_ns(1), sys.executable, "-c", PING, "server", tb.host_addr(1)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        srv.stdout.readline()  # type: ignore[union-attr]
+        out = subprocess.run([ip, "netns", "exec", tb.host_ns(0), sys.executable, "-c", PING, "client",
+                              tb.host_addr(1)], capture_output=True, text=True, timeout=60, check=True).stdout
+        return float(out.strip())
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def train(out: Path, hosts: int, rate: str, spec: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
+    """One ``gradzip train`` in the testbed; the per-step records (after warm-up) and the summary."""
+    cmd = [sys.executable, "-m", "gradzip", "train", "--backend", "gloo", "--netem", f"{hosts}:{rate}",
+           "--model", args.model, "--compressor", spec, "--steps", str(steps), "--batch-size",
+           str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-batches", "0", "--checkpoint-every", "0",
+           "--no-progress", "--out", str(out)]
+    env = dict(os.environ, GRADZIP_NETEM_PREFIX=PREFIX, OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    for attempt in (1, 2):  # one retry: a shared machine (another process rebuilding the data cache)
+        shutil.rmtree(out, ignore_errors=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.run_timeout)
+        if p.returncode == 0:
+            break
+        print(f"attempt {attempt} of {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-2000:]}", flush=True)
+    else:
+        raise RuntimeError(f"{' '.join(cmd)} failed twice")
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r["step"] > args.warmup]
+    summary = json.loads((out / "summary.json").read_text())
+    return {"recs": recs, "summary": summary, "wall": time.perf_counter() - t0, "cmd": cmd}
+
+
+def med(recs: list[dict[str, Any]], *keys: str) -> float:
+    return statistics.median(sum(r[k] for k in keys) for r in recs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gradzip.netem.validate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--rates", nargs="+", default=["25mbit", "50mbit", "100mbit"])
+    ap.add_argument("--compressors", nargs="+", default=["none", "fp16", "topk:ratio=0.01,ef=true"])
+    ap.add_argument("--calibration-rate", default="10gbit")
+    ap.add_argument("--model", default="bert-tiny")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--calibration-steps", type=int, default=None,
+                    help="steps of each calibration run (default: --steps; compute keeps getting faster over "
+                         "the first steps, so equal lengths compare like with like)")
+    ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--run-timeout", type=float, default=300)
+    ap.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--json", default=None, help="also write every number here")
+    args = ap.parse_args(argv)
+    args.calibration_steps = args.calibration_steps or args.steps
+    if min(args.steps, args.calibration_steps) <= args.warmup:
+        ap.error("--steps and --calibration-steps must exceed --warmup")
+    for r in args.rates:
+        parse_bandwidth(r)
+    root = Path(args.out or tempfile.mkdtemp(prefix="gradzip-validate-"))
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ["GRADZIP_NETEM_PREFIX"] = PREFIX
+    t_all = time.perf_counter()
+    tb, how = testbed.up(max(args.hosts), testbed.Shaping(parse_bandwidth(args.calibration_rate)), PREFIX)
+    rows: list[dict[str, Any]] = []
+    try:
+        rtt = measure_rtt(tb)
+        alpha = rtt / 2
+        print(f"testbed {PREFIX}: {tb.hosts} hosts; TCP round trip {rtt * 1e6:.0f} us -> alpha {alpha * 1e6:.0f} us",
+              flush=True)
+        for hosts in args.hosts:
+            for spec in args.compressors:
+                tag = spec.replace(":", "-").replace(",", "-").replace("=", "")
+                cal = train(root / f"h{hosts}-{tag}-cal", hosts, args.calibration_rate, spec, args,
+                            args.calibration_steps)
+                compute = med(cal["recs"], "compute_s", "opt_s")
+                compress = med(cal["recs"], "compress_s")
+                print(f"calibration H={hosts} {spec}: compute+opt {compute * 1e3:.0f} ms, compress "
+                      f"{compress * 1e3:.0f} ms ({cal['wall']:.0f} s)", flush=True)
+                for rate in args.rates:
+                    run = train(root / f"h{hosts}-{tag}-{rate}", hosts, rate, spec, args, args.steps)
+                    s = run["summary"]
+                    work = sim.Workload(args.model, args.batch_size * args.seq_len / compute, args.batch_size,
+                                        args.seq_len, overlap=0.0)
+                    cl = sim.Cluster(hosts, 1, parse_bandwidth(rate), 1e12, alpha, 0.0, "ring", LINK_EFFICIENCY)
+                    elems = sim.predict(spec, work, cl).detail["compressed_elements"] or 1
+                    p = sim.predict(spec, work, cl, sim.CodecCost(compress / elems, 0.0, "calibration"))
+                    if p.params != s["params"]:
+                        raise RuntimeError(f"model sizes differ: simulate {p.params}, train {s['params']}")
+                    measured = med(run["recs"], "step_s")
+                    # the network model alone: this run's own compute and compression + predicted comm
+                    same_run = med(run["recs"], "compute_s", "opt_s", "compress_s") + p.exposed_comm_s
+                    row = {"hosts": hosts, "rate": rate, "compressor": spec, "measured_step_s": measured,
+                           "predicted_step_s": p.step_s, "error": p.step_s / measured - 1,
+                           "error_same_run_compute": same_run / measured - 1,
+                           "measured_comm_s": med(run["recs"], "comm_s"), "predicted_comm_s": p.exposed_comm_s,
+                           "compute_s": compute, "compress_s": compress, "bytes_per_step": s["bytes_per_step"],
+                           "predicted_sent_bytes": p.sent_bytes, "wire_overhead": s.get("wire_overhead"),
+                           "wire_frame_overhead": s.get("wire_frame_overhead"), "run_s": run["wall"]}
+                    rows.append(row)
+                    print(f"H={hosts} {rate:>8} {spec:<26} measured {measured * 1e3:6.0f} ms  predicted "
+                          f"{p.step_s * 1e3:6.0f} ms  error {row['error']:+.1%} (same-run compute "
+                          f"{row['error_same_run_compute']:+.1%})  wire overhead "
+                          f"{row['wire_overhead']:+.2%}  ({run['wall']:.0f} s)", flush=True)
+    finally:
+        if how == "created":
+            testbed.down(PREFIX)
+    table = markdown(rows, alpha, args, time.perf_counter() - t_all)
+    print(table)
+    if args.md:
+        Path(args.md).write_text(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"alpha_s": alpha, "rows": rows}, indent=1))
+    return 0
+
+
+def markdown(rows: list[dict[str, Any]], alpha: float, args: argparse.Namespace, total_s: float) -> str:
+    out = ["| hosts | rate | compressor | measured step | predicted step | error | error, same-run compute | "
+           "measured exposed comm | predicted comm | wire/accounted − 1 (tx_bytes; frames) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['hosts']} | {r['rate']} | `{r['compressor']}` | {r['measured_step_s'] * 1e3:.0f} ms | "
+                   f"{r['predicted_step_s'] * 1e3:.0f} ms | {r['error']:+.1%} | {r['error_same_run_compute']:+.1%} | "
+                   f"{r['measured_comm_s'] * 1e3:.0f} ms | "
+                   f"{r['predicted_comm_s'] * 1e3:.0f} ms | {r['wire_overhead']:+.2%}; "
+                   f"{r['wire_frame_overhead']:+.2%} |")
+    errs = [abs(r["error"]) for r in rows]
+    errs2 = [abs(r["error_same_run_compute"]) for r in rows]
+    if errs:
+        out.append(f"\n{len(rows)} configurations; |error| median {statistics.median(errs):.1%}, max {max(errs):.1%} "
+                   f"(same-run compute: median {statistics.median(errs2):.1%}, max {max(errs2):.1%}); "
+                   f"alpha {alpha * 1e6:.0f} us; {args.model}, batch {args.batch_size} x {args.seq_len} tokens, "
+                   f"{args.steps} steps, {args.calibration_steps} for calibration (first {args.warmup} left out); "
+                   f"total {total_s:.0f} s.")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

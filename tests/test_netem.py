@@ -1,0 +1,307 @@
+"""``gradzip netem``: the namespace testbed. Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and working
+``ip netns``; skipped with the reason otherwise. Every test uses its own namespace prefix and
+state directory, and removes what it created."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gradzip.netem import testbed as tb
+from gradzip.netem.testbed import Shaping
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _skip_reason() -> str | None:
+    try:
+        tb.check_privileges()
+    except tb.NetemError as e:
+        return str(e)
+    probe = f"gzchk{os.getpid()}"
+    p = subprocess.run([tb._tool("ip"), "netns", "add", probe], capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"`ip netns add` does not work here: {p.stderr.strip()}"
+    subprocess.run([tb._tool("ip"), "netns", "del", probe], capture_output=True)
+    return None
+
+
+REASON = _skip_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
+
+
+@pytest.fixture
+def prefix(tmp_path, monkeypatch):
+    """A prefix no user testbed has, its own state directory, and a guaranteed clean-up."""
+    name = f"t{os.getpid() % 100000}{int(time.time() * 1000) % 1000}"
+    monkeypatch.setenv("GRADZIP_NETEM_STATE_DIR", str(tmp_path / "state"))
+    yield name
+    for ns in tb._owned(name, tb.list_namespaces()):
+        subprocess.run([tb._tool("ip"), "netns", "del", ns], capture_output=True)
+
+
+def ours(prefix: str) -> list[str]:
+    return sorted(tb._owned(prefix, tb.list_namespaces()))
+
+
+def root_links() -> list[str]:
+    """Interface names in the root namespace (the testbed must never add any)."""
+    out = subprocess.run([tb._tool("ip"), "-j", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return sorted(d["ifname"] for d in json.loads(out))
+
+
+def gradzip(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gradzip", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, cwd=REPO)
+
+
+def test_without_privileges_the_error_says_what_is_needed(monkeypatch):
+    monkeypatch.setattr(tb, "_effective_caps", lambda: 0)
+    with pytest.raises(tb.NetemError, match="needs root .*CAP_NET_ADMIN and CAP_SYS_ADMIN"):
+        tb.up(2, Shaping(1e8), prefix="nopriv")
+
+
+def test_bad_input_is_refused_before_anything_is_built():
+    with pytest.raises(tb.GradzipError, match="outside the benchmarking range"):
+        tb.up(2, Shaping(1e8), prefix="badnet", subnet="10.0.0.0/24")
+    with pytest.raises(tb.GradzipError, match="rate must be positive"):
+        Shaping(0)
+    with pytest.raises(tb.GradzipError, match="loss must be a percentage"):
+        Shaping(1e8, loss_pct=100)
+    with pytest.raises(tb.GradzipError, match="bad testbed prefix"):
+        tb.up(2, Shaping(1e8), prefix="Bad-Prefix")
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_up_status_reshape_down_idempotent(prefix):
+    t, what = tb.up(3, Shaping(100e6), prefix=prefix)
+    assert what == "created"
+    assert ours(prefix) == sorted([f"{prefix}-br", f"{prefix}-h0", f"{prefix}-h1", f"{prefix}-h2"])
+    addr = subprocess.run([tb._tool("ip"), "-n", f"{prefix}-h2", "-j", "addr", "show", "dev", "eth0"],
+                          capture_output=True, text=True, check=True).stdout
+    assert json.loads(addr)[0]["addr_info"][0]["local"] == "198.18.0.3" == t.host_addr(2)
+    # same parameters: nothing changes
+    assert tb.up(3, Shaping(100e6), prefix=prefix)[1] == "unchanged"
+    # new shaping: reshaped in place, and tc shows the new rate
+    assert tb.up(3, Shaping(40e6, loss_pct=1.0), prefix=prefix)[1] == "reshaped"
+    cls = subprocess.run([tb._tool("tc"), "-n", f"{prefix}-h1", "class", "show", "dev", "eth0"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "class htb 1:1 root rate 40Mbit ceil 40Mbit" in cls and "class htb 1:20" in cls  # 1:20: loss
+    # another host count: a clear error, nothing touched
+    with pytest.raises(tb.NetemError, match="is up with 3 hosts"):
+        tb.up(2, Shaping(40e6), prefix=prefix)
+    st = tb.status(prefix)
+    assert st["state"] == "up" and st["hosts"] == 3 and len(st["counters"]) == 3
+    assert st["shaping"] == {"rate_bps": 40e6, "delay_s": 0.0, "loss_pct": 1.0}
+    # the CLI, from another process, sees the same testbed through the state file
+    p = gradzip("netem", "status", "--prefix", prefix)
+    assert p.returncode == 0 and "198.18.0.3" in p.stdout and "40mbit, loss 1%" in p.stdout
+    assert len(tb.down(prefix)) == 4 and ours(prefix) == []
+    assert tb.down(prefix) == [] and tb.status(prefix) is None
+    p = gradzip("netem", "down", "--prefix", prefix)
+    assert p.returncode == 0 and "nothing was up" in p.stdout
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("step", ["bridge", "host:1", "shape:2"])
+def test_failure_half_way_leaves_nothing(prefix, monkeypatch, step):
+    links = root_links()
+    monkeypatch.setenv(tb.FAIL_ENV, f"raise:{step}")
+    with pytest.raises(tb.NetemError, match="injected failure"):
+        tb.up(3, Shaping(100e6), prefix=prefix)
+    assert ours(prefix) == [] and tb.load(prefix) is None and root_links() == links
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig, code", [("sigterm", 128 + 15), ("sigint", 130)])
+def test_signal_during_up_leaves_nothing(prefix, tmp_path, sig, code):
+    links = root_links()
+    env = {"GRADZIP_NETEM_STATE_DIR": str(tmp_path / "state"), tb.FAIL_ENV: f"{sig}:shape:1"}
+    p = gradzip("netem", "up", "--hosts", "3", "--rate", "100mbit", "--prefix", prefix, env=env)
+    assert p.returncode == code, p.stderr
+    assert ours(prefix) == [] and not (tmp_path / "state" / f"{prefix}.json").exists()
+    assert root_links() == links
+
+
+def test_cli_bad_flags_exit_2(capsys):
+    from gradzip.cli import main
+
+    for argv, needle in ((["--rate=-1gbit"], "cannot parse bandwidth"), (["--loss", "150"], "loss must be"),
+                         (["--subnet", "192.168.0.0/24"], "outside the benchmarking range")):
+        assert main(["netem", "up", "--prefix", "badflags", *argv]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1
+
+
+RECEIVER = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], 5201)); s.listen(1); s.settimeout(30)
+    print("ready", flush=True)
+    c, _ = s.accept(); c.settimeout(30); n = 0; t0 = None
+    while True:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        t0 = t0 or time.perf_counter(); n += len(b)
+    print(n, time.perf_counter() - t0, flush=True)
+""")
+SENDER = textwrap.dedent("""
+    import socket, sys
+    c = socket.create_connection((sys.argv[1], 5201), timeout=30); left = int(sys.argv[2]); buf = bytes(1 << 16)
+    while left > 0:
+        left -= c.send(buf[:left])
+    c.close()
+""")
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_shaped_link_throughput_matches_the_rate_in_both_directions_at_once(prefix):
+    """Bounded TCP transfers (50 Mbit/s for about 2 s) from host 0 to host 1 and from host 1 to host 0
+    at the same time, as in a ring: each goodput, and the bytes each sender's interface transmitted
+    per second, are within 10 % of the configured rate (the ACKs of one flow must not queue behind
+    the data of the other)."""
+    rate = 50e6
+    t, _ = tb.up(2, Shaping(rate), prefix=prefix)
+    ip = tb._tool("ip")
+    nbytes = int(rate / 8 * 2)
+    recv = [subprocess.Popen([ip, "netns", "exec", t.host_ns(i), sys.executable, "-c", RECEIVER, t.host_addr(i)],
+                             stdout=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        assert [r.stdout.readline().strip() for r in recv] == ["ready", "ready"]
+        before = tb.counters(t)
+        send = [subprocess.Popen([ip, "netns", "exec", t.host_ns(i), sys.executable, "-c", SENDER,
+                                  t.host_addr(1 - i), str(nbytes)]) for i in (0, 1)]
+        assert [p.wait(timeout=30) for p in send] == [0, 0]
+        results = [r.stdout.readline().split() for r in recv]
+        for r in recv:
+            r.wait(timeout=30)
+    finally:
+        for r in recv:
+            r.kill()
+    after = tb.counters(t)
+    for i, (got, seconds) in enumerate(results):
+        wire = after[1 - i].tx_bytes - before[1 - i].tx_bytes  # host 1-i sent to host i
+        goodput = int(got) * 8 / float(seconds)
+        assert int(got) == nbytes
+        assert goodput == pytest.approx(rate, rel=0.10), f"to host {i}: goodput {goodput / 1e6:.1f} Mbit/s"
+        assert wire * 8 / float(seconds) == pytest.approx(rate, rel=0.10)
+        assert nbytes <= wire < nbytes * 1.05  # headers and the other flow's ACKs: a few per cent at most
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_loss_drops_the_configured_fraction_of_packets(prefix):
+    """--loss 5: of 20,000 single-packet UDP datagrams, 4-6 % are dropped (±6 standard deviations),
+    by netem where the kernel has it, else by the classic-BPF filter."""
+    t, _ = tb.up(2, Shaping(1e9, loss_pct=5.0), prefix=prefix)
+    code = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "for _ in range(20000):\n    s.sendto(bytes(200), (sys.argv[1], 9))")
+    subprocess.run([tb._tool("ip"), "netns", "exec", t.host_ns(0), sys.executable, "-c", code, t.host_addr(1)],
+                   check=True, timeout=50)
+    c = tb.counters(t)[0]
+    assert 19_990 <= c.tx_packets + c.drops <= 20_010  # the datagrams (and an ARP exchange or so)
+    assert 0.04 < c.drops / (c.tx_packets + c.drops) < 0.06
+
+
+# ------------------------------------------------------------------------------ training in the testbed
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small corpus of real English (the stdlib's pydoc topics), so no download and a quick tokenizer."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(t.strip() for _, t in sorted(topics.items()))[:150_000], encoding="utf-8")
+    return path
+
+
+def test_netem_spelling():
+    from gradzip.netem.run import parse_netem
+
+    s = parse_netem("4:100mbit:0.5ms:0.1%")
+    assert (s.hosts, s.shaping) == (4, Shaping(100e6, 0.5e-3, 0.1))
+    assert parse_netem("2:1gbit").shaping == Shaping(1e9)
+    for bad in ("4", "x:1gbit", "0:1gbit", "2:fast", "2:1gbit:1ms:200", "2:1gbit:1ms:0:9"):
+        with pytest.raises(tb.GradzipError, match="--netem|loss"):
+            parse_netem(bad)
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_testbed_for_a_run_is_removed_afterwards_even_on_failure(prefix):
+    from gradzip.netem.run import parse_netem, testbed_for
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with testbed_for(parse_netem("2:100mbit"), prefix) as (t, how):
+            assert how == "created" and ours(prefix) == sorted([f"{prefix}-br", f"{prefix}-h0", f"{prefix}-h1"])
+            raise RuntimeError("boom")
+    assert ours(prefix) == [] and tb.load(prefix) is None
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_host_training_on_a_shaped_link(prefix, corpus, tmp_path, monkeypatch):
+    """`gradzip train --backend gloo --netem 2:50mbit` in a testbed that was up before (3 hosts at
+    1 Gbit/s): it runs, the wire bytes agree with the engine's accounting within 5 %, and the testbed
+    is still up afterwards with its own shaping restored."""
+    tb.up(3, Shaping(1e9), prefix=prefix)
+    out = tmp_path / "run"
+    env = {"GRADZIP_NETEM_PREFIX": prefix, "GRADZIP_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    p = gradzip("train", "--backend", "gloo", "--netem", "2:50mbit", "--model", "bert-tiny", "--vocab-size", "512",
+                "--corpus", str(corpus), "--seq-len", "32", "--batch-size", "4", "--steps", "3", "--eval-batches",
+                "0", "--checkpoint-every", "0", "--no-progress", "--out", str(out), env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workers"] == 2 and s["netem"]["testbed"] == "reshaped" and s["netem"]["rate_bps"] == 50e6
+    assert s["netem"]["addresses"] == ["198.18.0.1", "198.18.0.2"]
+    # accounting: 2 ranks x 3 steps x bytes_per_step + the start-up broadcast of the fp32 parameters
+    assert s["accounted_bytes"] == 2 * 3 * s["bytes_per_step"] + 4 * s["params"]
+    assert s["wire_bytes"] == sum(s["wire_bytes_by_host"]) and s["wire_bytes_by_host"][1] > 0
+    assert abs(s["wire_overhead"]) < 0.05, s
+    assert s["wire_bytes"] / (2 * 3) == pytest.approx(s["wire_bytes_per_step"])
+    after = tb.load(prefix)
+    assert after is not None and after.shaping == Shaping(1e9) and len(ours(prefix)) == 4
+
+
+def test_sweep_cells_with_a_real_backend_and_a_bandwidth_run_in_the_testbed():
+    from gradzip.netem.run import netem_for_cell
+
+    assert netem_for_cell({"backend": "gloo", "workers": 3, "bandwidth": "50mbit"})["netem"] == "3:50mbit"
+    assert netem_for_cell({"backend": "mpi", "bandwidth": "1gbit"})["netem"] == "4:1gbit"  # default workers
+    for unchanged in ({"backend": "sim", "bandwidth": "50mbit"}, {"backend": "gloo", "workers": 2},
+                      {"backend": "gloo", "bandwidth": "1gbit", "netem": "2:10mbit"}):
+        assert netem_for_cell(unchanged) == unchanged
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_mpi_ranks_run_one_per_host_over_the_testbed(prefix):
+    """mpirun inside host 0 with a namespace-entering agent: the backend self-test (every collective,
+    checked against sim) passes on 2 ranks in 2 namespaces, and its traffic crosses the shaped links."""
+    pytest.importorskip("mpi4py")
+    from gradzip.comm.launch import find_mpirun
+    from gradzip.netem.run import spawn_mpi
+
+    try:
+        find_mpirun()
+    except tb.GradzipError as e:
+        pytest.skip(str(e))
+    t, _ = tb.up(2, Shaping(200e6), prefix=prefix)
+    before = tb.counters(t)
+    rc = spawn_mpi(t, 2, ["--backend", "mpi", "--check", "--timeout", "60"], {}, timeout=100,
+                   module="gradzip.comm._selftest")
+    after = tb.counters(t)
+    assert rc == 0
+    assert all(a.tx_bytes - b.tx_bytes > 10_000 for a, b in zip(after, before))

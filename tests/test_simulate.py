@@ -1,0 +1,226 @@
+"""``gradzip simulate``: the cost model against hand-computed cases, the compressors' bytes against
+what they really put on the wire, and bad flags."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gradzip.cli import main
+from gradzip.compress.registry import create, registry
+from gradzip.models import bert_config, num_parameters
+from gradzip.netem import simulate as sim
+
+TINY = num_parameters(bert_config("bert-tiny"))  # 1,552,898 parameters, one 25 MiB bucket with `none`
+
+
+def cluster(nodes: int = 4, g: int = 1, inter: float = 1e9, intra: float = 1e10, a: float = 0.0, ai: float = 0.0,
+            algorithm: str = "hierarchical", eff: float = 1.0) -> sim.Cluster:
+    return sim.Cluster(nodes, g, inter, intra, a, ai, algorithm, eff)
+
+
+def work(**kw) -> sim.Workload:
+    return sim.Workload(**{"model": "bert-tiny", "tokens_per_second": 1000.0, "batch_size": 8, "seq_len": 64, **kw})
+
+
+# ------------------------------------------------------------------------------ collectives
+def test_ring_allreduce_by_hand():
+    # 4 nodes x 1 GPU, 8 MB in 2 collectives, 1 Gbit/s, α = 10 µs:
+    # bandwidth 2·3/4·8e6·8/1e9 = 0.096 s; latency 2 collectives · 2·3 messages · 10 µs = 120 µs.
+    t = sim.allreduce_time(8e6, 2, cluster(4, 1, a=10e-6, algorithm="ring"))
+    assert t == pytest.approx(0.096 + 120e-6)
+
+
+def test_ring_allgather_by_hand():
+    # 8 GPUs each contribute 1 MB in one allgather: 7·1e6·8/1e9 = 0.056 s + 7 · 20 µs.
+    t = sim.allgather_time(1e6, 1, cluster(8, 1, a=20e-6, algorithm="ring"))
+    assert t == pytest.approx(0.056 + 7 * 20e-6)
+
+
+def test_hierarchical_allreduce_by_hand():
+    # 2 nodes x 4 GPUs, 8 MB; NIC 1 Gbit/s shared by 4 rings; 10 Gbit/s inside:
+    # intra reduce-scatter + allgather 2 · 3/4 · 8e6 · 8/1e10 = 9.6 ms;
+    # inter: the NIC carries 2·(1/2)·8e6 bytes at 1 Gbit/s = 64 ms.
+    t = sim.allreduce_time(8e6, 1, cluster(2, 4, 1e9, 1e10))
+    assert t == pytest.approx(0.0096 + 0.064)
+
+
+def test_hierarchical_allgather_by_hand():
+    # 2 nodes x 4 GPUs, 1 MB each: inter (2-1)·1e6·8·4/1e9 = 32 ms; intra (4-1)·2e6·8/1e10 = 4.8 ms.
+    t = sim.allgather_time(1e6, 1, cluster(2, 4, 1e9, 1e10))
+    assert t == pytest.approx(0.032 + 0.0048)
+
+
+def test_single_node_uses_the_intra_link():
+    # 1 node x 4 GPUs, ring over NVLink-like 1e10: 2·3/4·8e6·8/1e10.
+    assert sim.allreduce_time(8e6, 1, cluster(1, 4)) == pytest.approx(2 * 0.75 * 8e6 * 8 / 1e10)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "topk:ratio=0.01,ef=true", "powersgd:rank=2"])
+def test_hierarchical_equals_ring_with_one_gpu_per_node(spec):
+    w = work()
+    for nodes in (2, 5, 16):
+        kw = dict(nodes=nodes, g=1, inter=3e8, a=30e-6)
+        ring = sim.predict(spec, w, cluster(**kw, algorithm="ring"))
+        hier = sim.predict(spec, w, cluster(**kw, algorithm="hierarchical"))
+        assert hier.comm_s == pytest.approx(ring.comm_s, rel=1e-12) and hier.comm_s > 0
+
+
+def test_link_efficiency_scales_the_bandwidth_term():
+    a = sim.allreduce_time(8e6, 1, cluster(4, 1, eff=1.0))
+    b = sim.allreduce_time(8e6, 1, cluster(4, 1, eff=0.5))
+    assert b == pytest.approx(2 * a)
+
+
+# ------------------------------------------------------------------------------ whole step
+def test_step_of_none_by_hand():
+    # bert-tiny with `none`: one fp32 bucket of 4·TINY bytes; 4 workers at 100 Mbit/s, α = 50 µs.
+    w = work(overlap=0.0)
+    p = sim.predict("none", w, cluster(4, 1, 1e8, a=50e-6))
+    s = 4 * TINY
+    comm = 2 * 3 / 4 * s * 8 / 1e8 + 2 * 3 * 50e-6
+    compute = 8 * 64 / 1000.0
+    assert p.payload_bytes == s and p.sent_bytes == 2 * 3 * s // 4 and p.collectives == 1
+    assert p.compute_s == pytest.approx(compute)
+    assert p.comm_s == pytest.approx(comm) and p.exposed_comm_s == pytest.approx(comm)
+    assert p.step_s == pytest.approx(compute + comm)
+    assert p.tokens_per_s == pytest.approx(4 * 8 * 64 / (compute + comm))
+    assert p.scaling_efficiency == pytest.approx(compute / (compute + comm))
+    days = sim.predict("none", w, cluster(4, 1, 1e8, a=50e-6), tokens=1e9, epochs=3).days
+    assert days == pytest.approx(3e9 / p.tokens_per_s / 86400)
+
+
+def test_overlap_hides_communication_up_to_the_last_backward():
+    w0, w1 = work(overlap=0.0, accumulation=2), work(overlap=1.0, accumulation=2)
+    cl = cluster(4, 1, 1e8)
+    p0, p1 = sim.predict("none", w0, cl), sim.predict("none", w1, cl)
+    backward = 2 / 3 * p0.compute_s / 2  # the last of 2 micro-batches
+    assert p1.backward_s == pytest.approx(backward)
+    assert p1.exposed_comm_s == pytest.approx(max(0.0, p0.comm_s - backward))
+    # enough bandwidth: everything hidden
+    fast = sim.predict("none", w1, cluster(4, 1, 1e12))
+    assert fast.exposed_comm_s == 0.0 and fast.step_s == pytest.approx(fast.compute_s)
+
+
+def test_one_worker_has_no_communication():
+    p = sim.predict("topk:ratio=0.01", work(), cluster(1, 1))
+    assert p.comm_s == 0.0 and p.scaling_efficiency == 1.0 and p.collectives == 0
+
+
+def test_compression_cost_per_element_and_per_rank():
+    codec = sim.CodecCost(encode_s=1e-9, aggregate_s=2e-9)
+    ar = sim.predict("fp16", work(), cluster(4, 1), codec)
+    ag = sim.predict("topk:ratio=0.01", work(), cluster(4, 1), codec)
+    n_ar, n_ag = ar.detail["compressed_elements"], ag.detail["compressed_elements"]
+    assert 0 < n_ar <= TINY and n_ag == n_ar
+    assert ar.compress_s == pytest.approx(1e-9 * n_ar)            # allreduce: own encode/decode only
+    assert ag.compress_s == pytest.approx(1e-9 * n_ag + 3 * 2e-9 * n_ag)  # + 3 other ranks' payloads
+
+
+def test_powersgd_rounds_are_collectives():
+    p = sim.predict("powersgd:rank=4", work(), cluster(4, 1, a=1e-3))
+    q = sim.predict("powersgd:rank=4", work(), cluster(4, 1, a=0.0))
+    # every collective of every round pays 2(n-1) latencies
+    assert p.comm_s - q.comm_s == pytest.approx(p.collectives * 6 * 1e-3)
+    assert p.collectives >= 2 * sum(b.compressed for b in sim.model_buckets("bert-tiny", None, 25.0, 1024, True)[0])
+
+
+# ------------------------------------------------------------------------------ bytes of every compressor
+def _spec(name: str) -> str:
+    return {"topk": "topk:ratio=0.01", "randomk": "randomk:ratio=0.01", "powersgd": "powersgd:rank=2"}.get(name, name)
+
+
+@pytest.mark.parametrize("name", sorted(registry()))
+def test_payload_bytes_equal_what_the_compressor_sends(name):
+    """The simulator's bytes per step equal the bytes of the payload tensors the compressor really
+    produces for every bucket of bert-tiny (all rounds), and its own formula."""
+    spec = _spec(name)
+    comp = create(spec)
+    p = sim.predict(spec, work(), cluster(4, 1))
+    buckets, _ = sim.model_buckets("bert-tiny", None, 25.0, 1024, sim.separate_small_for(comp))
+    g = torch.Generator().manual_seed(0)
+    real = formula = 0
+    for i, b in enumerate(buckets):
+        tensors = [torch.randn(s, generator=g) for s in b.shapes]
+        if not b.compressed:
+            real += sum(t.numel() * 4 for t in tensors)
+            formula += b.numel * 4
+            continue
+        payload, ctx = comp.compress_batch(tensors, f"b{i}")
+        real += sum(t.numel() * t.element_size() for t in payload)
+        for _ in range(1, comp.rounds):
+            payload, ctx = comp.next_round_batch(tuple(t.clone() for t in payload), ctx)
+            real += sum(t.numel() * t.element_size() for t in payload)
+        formula += comp.batch_payload_bytes(b.shapes)
+    assert p.payload_bytes == real == formula
+    assert p.compression_ratio == pytest.approx(TINY * 4 / real)
+
+
+@pytest.mark.parametrize("spec", ["none", "topk:ratio=0.01,ef=true"])
+def test_sent_bytes_match_the_engine(spec):
+    """Bytes per rank per step equal what the engine counts on a sim world of 3 workers."""
+    from gradzip.comm.sim import SimWorld
+    from gradzip.engine import attach
+    from gradzip.models import BertForPreTraining
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(bert_config("bert-tiny"))
+    engine = attach(model, spec, SimWorld(3, bandwidth="1gbit"))
+    ids = torch.randint(5, 100, (2, 16))
+    for w in engine.worker_ids:
+        with engine.worker(w):
+            out = model(ids, torch.zeros_like(ids), torch.ones_like(ids), labels=ids,
+                        next_sentence_label=torch.zeros(2, dtype=torch.long))
+            out.loss.backward()
+    stats = engine.finalize()
+    p = sim.predict(spec, work(), cluster(3, 1))
+    assert stats.bytes_sent == p.sent_bytes
+
+
+# ------------------------------------------------------------------------------ encode costs from the bench
+def test_encode_cost_from_bench_json(tmp_path):
+    rows = [{"name": "topk", "spec": "topk:ratio=0.01,ef=false", "numel": 1000, "time_s": 4e-6},
+            {"name": "topk", "spec": "topk:ratio=0.1", "numel": 1000, "time_s": 8e-6},
+            {"name": "fp16", "spec": "fp16", "numel": 2000, "compress_s": 1e-6, "decompress_s": 3e-6}]
+    f = tmp_path / "bench.json"
+    f.write_text(json.dumps(rows))
+    c = sim.codec_for("topk:ratio=0.1,ef=true", str(f), None)
+    assert c.encode_s == pytest.approx(8e-9) and c.aggregate_s == pytest.approx(4e-9)
+    c = sim.codec_for("fp16", str(f), None)
+    assert c.encode_s == pytest.approx(2e-9) and c.aggregate_s == pytest.approx(1.5e-9)
+    assert sim.codec_for("none", str(f), None).encode_s == 0.0  # nothing to encode
+    c = sim.codec_for("fp16", "3e-9", "1e-9")
+    assert (c.encode_s, c.aggregate_s) == (3e-9, 1e-9)
+
+
+# ------------------------------------------------------------------------------ the command
+def test_cli_table_and_json(capsys):
+    argv = ["simulate", "--model", "bert-large", "--nodes", "8", "--gpus-per-node", "4", "--inter-bandwidth",
+            "10gbit", "--tokens-per-second", "5600", "--compressor", "none", "--compressor", "powersgd:rank=4",
+            "--tokens", "16.75e9", "--epochs", "40"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "336.2 M parameters" in out and "powersgd:rank=4" in out and "days" in out
+    assert main(argv + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    assert [r["compressor"].split(":")[0] for r in res] == ["none", "powersgd"]
+    assert res[1]["payload_bytes"] < res[0]["payload_bytes"] / 50
+    assert all(math.isfinite(r["days"]) and r["days"] > 0 for r in res)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--inter-bandwidth=-10gbit"], "--inter-bandwidth must be positive"),
+    (["--intra-bandwidth", "0gbit"], "bandwidth must be positive"),
+    (["--model", "bert-huge"], "unknown model 'bert-huge'"),
+    (["--nodes", "0"], "--nodes and --gpus-per-node must be >= 1"),
+    (["--compressor", "zip"], "unknown compressor 'zip'"),
+    (["--overlap", "1.5"], "--overlap must be in [0, 1]"),
+    (["--encode-cost", "fast"], "--encode-cost takes a JSON file"),
+])
+def test_bad_flags_exit_2_with_one_line(flags, needle, capsys):
+    assert main(["simulate", "--tokens-per-second", "1000", *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
