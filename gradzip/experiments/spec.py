@@ -1,0 +1,357 @@
+"""Experiment specs: a TOML file with a base training configuration and grid axes.
+
+Format (read with the standard library's :mod:`tomllib`)::
+
+    name = "quickstart"                       # optional; default: the file's stem
+    description = "five compressors, 4 sim workers at 1 Gbit/s"   # optional, one line
+
+    [base]                                    # same keys as `gradzip train` (and its --config file)
+    model = "bert-tiny"
+    backend = "sim"
+    workers = 4
+    steps = 200
+
+    [grid]                                    # axes; the cells are their cartesian product
+    compressor = ["none", "fp16", "topk:ratio=0.01,ef=true"]
+    bandwidth = ["100mbit", "1gbit"]
+    seed = [0, 1]
+    # An axis of tables sets several keys together (not a product of them); `label` names the value.
+    # method = [{compressor = "none"}, {label = "fp32-acc4", compressor = "none", accumulation = 4}]
+
+    [target]                                  # optional: time-to-target column and figures
+    loss = 6.5
+    metric = "loss"                           # "loss" (EMA-smoothed training loss) or "eval_loss"
+
+    [plot]                                    # optional
+    figures = ["loss_steps", "loss_time"]     # default: every figure the data supports
+    [plot.captions]
+    loss_steps = "Training loss of each compressor."
+
+Contract:
+
+- Every cell's configuration (base updated with the cell's grid values) is validated through
+  ``TrainConfig.from_dict`` when the spec is loaded, so a bad value fails before any cell runs.
+- ``out`` and ``resume`` are set by the sweep runner and may not appear in a spec (nor ``config``).
+- A key is set in one place only: ``[base]`` or one grid axis.
+- Errors are :class:`~gradzip.errors.SpecError` with one line naming the file and the key.
+- A cell's directory name is derived from its grid values only (stable across runs of the same
+  spec, so a re-run finds finished cells), e.g.
+  ``compressor=topk-ratio=0.01-ef=true__bandwidth=1gbit__seed=0``; names longer than
+  :data:`MAX_NAME` characters are shortened and end in a hash of the full name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import itertools
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradzip.errors import GradzipError, SpecError
+
+MAX_NAME = 120
+TOP_KEYS = {"name", "description", "base", "grid", "target", "plot"}
+TARGET_KEYS = {"loss", "metric", "smoothing"}
+PLOT_KEYS = {"figures", "captions", "title"}
+RUNNER_KEYS = {"out", "resume"}  # set per cell by the runner
+NOT_IN_SPECS = RUNNER_KEYS | {"config"}  # `config` names a file for `gradzip train`; a spec is that file
+TARGET_METRICS = ("loss", "eval_loss")
+
+
+@dataclass
+class Target:
+    """Time-to-target definition: the first step where ``metric`` is at or below ``loss``.
+
+    ``metric="loss"`` uses the training loss smoothed by an exponential moving average
+    (bias-corrected; ``smoothing`` is its decay, 0 = raw); ``"eval_loss"`` uses the evaluations only, so
+    its resolution is ``eval_every`` steps.
+    """
+
+    loss: float
+    metric: str = "loss"
+    smoothing: float = 0.9
+
+
+@dataclass
+class PlotOptions:
+    figures: list[str] | None = None  # None: every figure the data supports
+    captions: dict[str, str] = field(default_factory=dict)
+    title: str | None = None
+
+
+@dataclass
+class Cell:
+    """One point of the grid: its grid values, its full train configuration and its directory name."""
+
+    params: dict[str, Any]
+    config: dict[str, Any]
+    name: str
+
+
+@dataclass
+class Spec:
+    path: Path
+    name: str
+    description: str
+    base: dict[str, Any]
+    grid: dict[str, list[Any]]
+    target: Target | None = None
+    plot: PlotOptions = field(default_factory=PlotOptions)
+    cells: list[Cell] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "path": str(self.path),
+            "base": self.base,
+            "grid": self.grid,
+            "target": dataclasses.asdict(self.target) if self.target else None,
+            "plot": dataclasses.asdict(self.plot),
+        }
+
+
+# -- naming ---------------------------------------------------------------------------------
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _safe(text: str) -> str:
+    """Filesystem-safe on Linux, macOS and Windows: keep ``[A-Za-z0-9._=+-]``, the rest -> '-'."""
+    text = re.sub(r"[^A-Za-z0-9._=+-]+", "-", text.replace(":", "-").replace(",", "-"))
+    return re.sub(r"-{2,}", "-", text).strip("-.") or "x"
+
+
+def cell_name(params: dict[str, Any]) -> str:
+    """Directory name of a cell from its grid values, in the grid's axis order."""
+    return cell_name_from(list(params), list(params.values()))
+
+
+def cell_name_from(axes: list[str], values: list[Any]) -> str:
+    full = "__".join(_axis_text(a, v) for a, v in zip(axes, values))
+    if len(full) <= MAX_NAME:
+        return full
+    digest = hashlib.sha1(full.encode()).hexdigest()[:10]
+    return full[: MAX_NAME - 11].rstrip("-_=.") + "-" + digest
+
+
+# -- loading --------------------------------------------------------------------------------
+
+def _train_config_cls():
+    try:
+        from gradzip.experiments.config import TrainConfig
+    except ModuleNotFoundError as e:  # pragma: no cover - only while the train part is missing
+        raise GradzipError("gradzip.experiments.config is not available (the train command is missing)") from e
+    return TrainConfig
+
+
+def _train_keys() -> set[str]:
+    return {f.name for f in dataclasses.fields(_train_config_cls())}
+
+
+def _check_keys(where: str, table: dict[str, Any], allowed: set[str], src: Path) -> None:
+    for key in table:
+        if key not in allowed:
+            near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
+            raise SpecError(f"{src}: unknown key {key!r} in {where}; {hint}")
+
+
+def _expect(value: Any, types: type | tuple[type, ...], what: str, src: Path, hint: str) -> None:
+    # bool is an int in Python; a TOML `true` is never a valid number here.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        raise SpecError(f"{src}: {what} must be {hint}, got {type(value).__name__} {value!r}")
+
+
+def _as_tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+def _check_bundles(axis: str, values: list[Any], train_keys: set[str], src: Path) -> set[str]:
+    """An axis of tables (``method = [{compressor = "none", accumulation = 2}, ...]``): every value is a
+    table of train keys, plus an optional ``label`` used in the cell's directory name."""
+    if axis in train_keys:
+        raise SpecError(f"{src}: [grid] axis {axis!r} is a train key, so its values must be plain values, not "
+                        "tables; name an axis of tables after what it varies, e.g. method = [{...}, {...}]")
+    keys: set[str] = set()
+    for v in values:
+        _expect(v, dict, f"[grid] axis {axis!r} value", src,
+                "a table like every other value of this axis, e.g. {compressor = \"none\", accumulation = 2}")
+        if not v or set(v) == {"label"}:
+            raise SpecError(f"{src}: [grid] axis {axis!r} has an empty table; give train keys, e.g. {{seed = 1}}")
+        for k in v:
+            if k in NOT_IN_SPECS:
+                raise SpecError(f"{src}: [grid] axis {axis!r}: key {k!r} is not allowed in a spec; remove it")
+        _check_keys(f"[grid] axis {axis!r}", v, train_keys | {"label"}, src)
+        for k, x in v.items():
+            _expect(x, (str, int, float, bool), f"[grid] {axis!r} key {k!r}", src, "a string, number or boolean")
+        keys |= set(v) - {"label"}
+    return keys
+
+
+def _axis_text(axis: str, value: Any) -> str:
+    """The part of a cell's directory name that one axis contributes."""
+    if isinstance(value, dict):
+        if "label" in value:
+            return f"{_safe(axis)}={_safe(str(value['label']))}"
+        return "+".join(f"{_safe(k)}={_safe(_value_text(x))}" for k, x in value.items())
+    return f"{_safe(axis)}={_safe(_value_text(value))}"
+
+
+def validate_config(config: dict[str, Any], src: Path, where: str) -> Any:
+    """Run ``TrainConfig.from_dict``; its one-line error names the file and the cell."""
+    source = f"{src}: {where}"
+    try:
+        return _train_config_cls().from_dict(config, source=source)
+    except (GradzipError, TypeError, ValueError) as e:  # the latter two: a validator that forgot to wrap
+        msg = str(e)
+        raise SpecError(msg if msg.startswith(str(src)) else f"{source}: {msg}") from None
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file; every cell is expanded and validated (see module doc)."""
+    src = Path(path)
+    if not src.is_file():
+        raise SpecError(f"spec file {str(src)!r} not found (give the path to a .toml file)")
+    try:
+        with open(src, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{src}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{src}: not a text file (a spec is UTF-8 TOML)") from None
+    return parse_spec(raw, src)
+
+
+def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
+    """Validate an already-parsed TOML document (``src`` is used in messages)."""
+    _check_keys("the spec's top level", raw, TOP_KEYS, src)
+    name = raw.get("name", src.stem)
+    _expect(name, str, "'name'", src, "a string")
+    if not name.strip() or _safe(name) != name:
+        raise SpecError(f"{src}: 'name' {name!r} must be a plain word (letters, digits, '.', '_', '-', '=')")
+    description = raw.get("description", "")
+    _expect(description, str, "'description'", src, "a string")
+
+    base = raw.get("base", {})
+    _expect(base, dict, "[base]", src, "a table")
+    train_keys = _train_keys() - NOT_IN_SPECS
+    for key in base:
+        if key in NOT_IN_SPECS:
+            raise SpecError(f"{src}: [base] key {key!r} is not allowed in a spec (the runner sets out and resume "
+                            "per cell; the spec replaces a --config file); remove it")
+    _check_keys("[base]", base, train_keys, src)
+
+    if "grid" not in raw:
+        raise SpecError(f"{src}: no [grid] table; add at least one axis, e.g. [grid] seed = [0]")
+    grid = raw["grid"]
+    _expect(grid, dict, "[grid]", src, "a table of axes (lists)")
+    if not grid:
+        raise SpecError(f"{src}: [grid] is empty; add at least one axis, e.g. seed = [0]")
+    provided: dict[str, str] = {k: "[base]" for k in base}  # train key -> where it is set
+    for key, values in grid.items():
+        if key in NOT_IN_SPECS:
+            raise SpecError(f"{src}: [grid] axis {key!r} is not allowed in a spec (the runner sets out and resume "
+                            "per cell); remove it")
+        _expect(values, list, f"[grid] axis {key!r}", src, "a list of values, e.g. [1, 2]")
+        if not values:
+            raise SpecError(f"{src}: [grid] axis {key!r} is an empty list; give at least one value")
+        if any(isinstance(v, dict) for v in values):
+            keys = _check_bundles(key, values, train_keys, src)
+        else:
+            _check_keys("[grid]", {key: values}, train_keys, src)
+            for v in values:
+                _expect(v, (str, int, float, bool), f"[grid] {key!r} value", src, "a string, number or boolean")
+            keys = {key}
+        texts = [_axis_text(key, v) for v in values]
+        dup = next((t for t in texts if texts.count(t) > 1), None)
+        if dup is not None:
+            raise SpecError(f"{src}: [grid] axis {key!r} lists {dup!r} twice")
+        for k in sorted(keys):
+            if k in provided:
+                raise SpecError(f"{src}: {k!r} is set in both {provided[k]} and [grid] axis {key!r}; keep it in one")
+            provided[k] = f"[grid] axis {key!r}"
+
+    target = None
+    if "target" in raw:
+        t = raw["target"]
+        _expect(t, dict, "[target]", src, "a table, e.g. [target] loss = 6.5")
+        _check_keys("[target]", t, TARGET_KEYS, src)
+        if "loss" not in t:
+            raise SpecError(f"{src}: [target] needs 'loss', the loss to reach, e.g. loss = 6.5")
+        _expect(t["loss"], (int, float), "[target] 'loss'", src, "a number")
+        metric = t.get("metric", "loss")
+        if metric not in TARGET_METRICS:
+            raise SpecError(f"{src}: [target] metric {metric!r} is not one of {', '.join(TARGET_METRICS)}")
+        smoothing = t.get("smoothing", 0.9)
+        _expect(smoothing, (int, float), "[target] 'smoothing'", src, "a number in [0, 1)")
+        if not 0 <= smoothing < 1:
+            raise SpecError(f"{src}: [target] smoothing must be in [0, 1), got {smoothing}")
+        target = Target(float(t["loss"]), metric, float(smoothing))
+
+    plot = PlotOptions()
+    if "plot" in raw:
+        p = raw["plot"]
+        _expect(p, dict, "[plot]", src, "a table")
+        _check_keys("[plot]", p, PLOT_KEYS, src)
+        from gradzip.plots.results import FIGURES
+
+        if "figures" in p:
+            figs = p["figures"]
+            _expect(figs, list, "[plot] 'figures'", src, f"a list of figure names ({', '.join(FIGURES)})")
+            for fig in figs:
+                if fig not in FIGURES:
+                    raise SpecError(f"{src}: [plot] unknown figure {fig!r}; valid: {', '.join(FIGURES)}")
+            plot.figures = list(figs)
+        caps = p.get("captions", {})
+        _expect(caps, dict, "[plot.captions]", src, "a table of figure name = caption")
+        for fig, text in caps.items():
+            if fig not in FIGURES:
+                raise SpecError(f"{src}: [plot.captions] unknown figure {fig!r}; valid: {', '.join(FIGURES)}")
+            _expect(text, str, f"[plot.captions] {fig!r}", src, "a string")
+        plot.captions = dict(caps)
+        if "title" in p:
+            _expect(p["title"], str, "[plot] 'title'", src, "a string")
+            plot.title = p["title"]
+
+    validate_config(dict(base), src, "[base]")
+    spec = Spec(src, name, description, dict(base), {k: list(v) for k, v in grid.items()}, target, plot)
+    spec.cells = expand(spec)
+    return spec
+
+
+def expand(spec: Spec) -> list[Cell]:
+    """The cartesian product of the grid axes, in axis order; each cell validated.
+
+    A cell's ``params`` are the train keys its grid values set (an axis of tables contributes the
+    keys of its table), so plots and tables see e.g. ``compressor`` and ``accumulation``.
+    """
+    axes = list(spec.grid)
+    cells: list[Cell] = []
+    seen: dict[str, Any] = {}
+    for values in itertools.product(*(spec.grid[a] for a in axes)):
+        params: dict[str, Any] = {}
+        for axis, v in zip(axes, values):
+            params.update({k: x for k, x in v.items() if k != "label"} if isinstance(v, dict) else {axis: v})
+        config = {**spec.base, **params}
+        # -- netem hook: a real-backend cell with a bandwidth runs in the network testbed --
+        from gradzip.netem.run import netem_for_cell
+
+        config = netem_for_cell(config)
+        name = cell_name_from(axes, values)
+        if name in seen:
+            raise SpecError(f"{spec.path}: cells {seen[name]} and {params} get the same directory name {name!r}")
+        seen[name] = params
+        validate_config(config, spec.path, f"cell {name}")
+        cells.append(Cell(params, config, name))
+    return cells

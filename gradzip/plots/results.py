@@ -1,0 +1,436 @@
+"""Reading run directories and computing the per-run numbers of the results table.
+
+A *run directory* is what ``gradzip train --out DIR`` writes: ``config.toml``, ``metrics.jsonl``
+(one JSON object per optimizer step) and, once finished, ``summary.json``. A *sweep directory* is
+what ``gradzip sweep`` writes: ``sweep.json`` plus one run directory per cell. :func:`load_runs`
+accepts either (or any directory whose sub-directories are runs).
+
+Every number in ``results.md``/``results.csv`` is computed here, from ``summary.json`` where it has
+the number and from ``metrics.jsonl`` otherwise, so figures and tables agree.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradzip.errors import GradzipError
+from gradzip.units import parse_bandwidth
+
+# Figure name -> what it shows (drawn by gradzip.plots.figures; here so that listing them is cheap).
+FIGURES: dict[str, str] = {
+    "loss_steps": "training loss against optimizer steps",
+    "loss_time": "training loss against wall-clock time",
+    "throughput_bandwidth": "throughput (samples/s) against link bandwidth, per compressor",
+    "bytes_per_step": "bytes sent per rank per step, per compressor (log scale)",
+    "step_time": "time of a step split into compute, compression and exposed communication",
+    "loss_vs_ratio": "final eval loss against compression ratio (accuracy–bandwidth trade-off)",
+    "scaling": "scaling efficiency against number of workers",
+}
+
+# Config keys that never distinguish runs (paths, resume flags, logging cadence).
+IGNORED_KEYS = {"out", "resume", "checkpoint_every", "eval_every", "eval_batches", "keep_checkpoints", "progress",
+                "config", "stop_at", "timeout"}
+# Keys that do not change the bytes on the wire (for the bytes-per-step figure).
+NOT_BYTES_KEYS = {"bandwidth", "latency", "seed", "lr", "warmup", "clip"}
+
+
+@dataclass
+class Target:
+    """See :class:`gradzip.experiments.spec.Target` (duplicated to keep plots free of experiments)."""
+
+    loss: float
+    metric: str = "loss"
+    smoothing: float = 0.9
+
+
+@dataclass
+class Run:
+    dir: Path
+    name: str
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+    metrics: list[dict[str, Any]]
+    params: dict[str, Any] = field(default_factory=dict)  # grid values when from a sweep
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def compressor(self) -> str:
+        return str(self.params.get("compressor", self.config.get("compressor", (self.summary or {}).get(
+            "compressor", "none"))))
+
+    @property
+    def compressor_family(self) -> str:
+        return self.compressor.split(":", 1)[0].strip().lower()
+
+    def value(self, key: str) -> Any:
+        """A parameter as the user wrote it (grid text) if known, else the resolved config value."""
+        if key in self.params:
+            return self.params[key]
+        if key == "compressor":
+            return self.compressor
+        if key in self.config:
+            return self.config[key]
+        return (self.summary or {}).get(key)
+
+    @property
+    def clock(self) -> str:
+        for m in self.metrics:
+            if m.get("clock"):
+                return str(m["clock"])
+        return str((self.summary or {}).get("clock", "measured"))
+
+    @property
+    def workers(self) -> int:
+        return int((self.summary or {}).get("workers") or self.config.get("workers") or 1)
+
+    @property
+    def bandwidth_bps(self) -> float | None:
+        bw = self.value("bandwidth")
+        return None if bw is None else parse_bandwidth(bw)
+
+    # -- per-step series -----------------------------------------------------------------------
+    @property
+    def train_rows(self) -> list[dict[str, Any]]:
+        return [m for m in self.metrics if m.get("loss") is not None and m.get("step") is not None]
+
+    def times(self) -> list[float]:
+        """Cumulative clock time (s) at the end of each row of ``train_rows`` (``wall_s``)."""
+        return [float(m.get("wall_s", 0.0)) for m in self.train_rows]
+
+    def eval_points(self) -> tuple[list[int], list[float], list[float]]:
+        """(steps, times, eval losses) of the evaluation rows."""
+        steps, times, losses = [], [], []
+        for m in self.metrics:
+            if m.get("eval_loss") is not None:
+                steps.append(int(m["step"]))
+                times.append(float(m.get("wall_s", 0.0)))
+                losses.append(float(m["eval_loss"]))
+        return steps, times, losses
+
+    def phase_means(self) -> dict[str, float]:
+        """Mean seconds per step in compute, compression, exposed communication and the optimizer.
+
+        The first step is left out when there are several (it pays one-off warm-up costs).
+        """
+        rows = self.train_rows
+        rows = rows[1:] if len(rows) > 1 else rows
+        keys = {"compute": "compute_s", "compress": "compress_s", "comm": "comm_s", "opt": "opt_s"}
+        if not rows:
+            return dict.fromkeys(keys, 0.0)
+        return {k: sum(float(m.get(f) or 0.0) for m in rows) / len(rows) for k, f in keys.items()}
+
+    # -- summary numbers ------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        if self.summary and self.summary.get("steps") is not None:
+            return int(self.summary["steps"])
+        rows = self.train_rows
+        return int(rows[-1]["step"]) if rows else 0
+
+    @property
+    def final_eval_loss(self) -> float | None:
+        v = (self.summary or {}).get("final_eval_loss")
+        if v is None:
+            _, _, losses = self.eval_points()
+            v = losses[-1] if losses else None
+        return None if v is None else float(v)
+
+    @property
+    def final_loss(self) -> float | None:
+        v = (self.summary or {}).get("final_loss")
+        if v is None and self.train_rows:
+            v = self.train_rows[-1]["loss"]
+        return None if v is None else float(v)
+
+    @property
+    def bytes_per_step(self) -> float | None:
+        v = (self.summary or {}).get("bytes_per_step")
+        if v is None:
+            rows = self.train_rows
+            v = sum(float(m.get("bytes_sent", 0)) for m in rows) / len(rows) if rows else None
+        return None if v is None else float(v)
+
+    @property
+    def mb_per_step(self) -> float | None:
+        b = self.bytes_per_step
+        return None if b is None else b / 1e6
+
+    @property
+    def compression_ratio(self) -> float | None:
+        v = (self.summary or {}).get("compression_ratio")
+        return None if v is None else float(v)
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Global training samples per second on the run's clock (all workers together), in steady
+        state: from the cumulative ``samples`` and ``wall_s`` of the metrics, first step left out
+        (one-off warm-up) when there are at least three steps."""
+        rows = self.train_rows
+        if not rows:
+            s = self.summary or {}
+            return float(s["samples"]) / float(s["wall_s"]) if s.get("samples") and s.get("wall_s") else None
+
+        def samples(m: dict[str, Any], i: int) -> float:
+            if m.get("samples") is not None:
+                return float(m["samples"])
+            per_step = int(self.config.get("batch_size", 1)) * int(self.config.get("accumulation", 1)) * self.workers
+            return float(per_step * (i + 1))
+
+        times = self.times()
+        first = 1 if len(rows) >= 3 else 0
+        s0, t0 = (samples(rows[first - 1], first - 1), times[first - 1]) if first else (0.0, 0.0)
+        dt = times[-1] - t0
+        return (samples(rows[-1], len(rows) - 1) - s0) / dt if dt > 0 else None
+
+    def time_to_target(self, target: Target | None) -> tuple[int, float] | None:
+        """(step, cumulative seconds) where the target metric first reaches ``target.loss``."""
+        if target is None:
+            return None
+        if target.metric == "eval_loss":
+            for step, t, loss in zip(*self.eval_points()):
+                if loss <= target.loss:
+                    return step, t
+            return None
+        losses = [float(m["loss"]) for m in self.train_rows]
+        for m, t, smoothed in zip(self.train_rows, self.times(), ema(losses, target.smoothing)):
+            if smoothed <= target.loss:
+                return int(m["step"]), t
+        return None
+
+
+def ema(values: list[float], decay: float = 0.9) -> list[float]:
+    """Exponential moving average with bias correction (so the first points are not pulled to 0)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values, 1):
+        acc = decay * acc + (1 - decay) * v
+        out.append(acc / (1 - decay**i) if decay > 0 else v)
+    return out
+
+
+def centred_mean(values: list[float], half: int) -> list[float]:
+    """Moving average over ``2*half + 1`` points centred on each point (shorter at the ends): smooths
+    without the lag of a causal average, so a smoothed curve stays over the steps it summarises."""
+    if half <= 0 or not values:
+        return list(values)
+    csum = [0.0]
+    for v in values:
+        csum.append(csum[-1] + v)
+    n = len(values)
+    return [(csum[min(n, i + half + 1)] - csum[max(0, i - half)]) / (min(n, i + half + 1) - max(0, i - half))
+            for i in range(n)]
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if not path.is_file():
+        return rows
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash: the rows before it are still good
+    return rows
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "metrics.jsonl").is_file() or (path / "summary.json").is_file()
+
+
+def load_run(path: Path, params: dict[str, Any] | None = None, name: str | None = None) -> Run:
+    config: dict[str, Any] = {}
+    if (path / "config.toml").is_file():
+        with open(path / "config.toml", "rb") as f:
+            config = tomllib.load(f)
+    summary = None
+    if (path / "summary.json").is_file():
+        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    return Run(path, name or path.name, config, summary, _read_metrics(path / "metrics.jsonl"), dict(params or {}))
+
+
+@dataclass
+class Collection:
+    """The runs found under a directory, plus what the sweep's spec says about them."""
+
+    root: Path
+    runs: list[Run]
+    sweep: dict[str, Any] | None = None
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return (self.sweep or {}).get("spec") or {}
+
+    @property
+    def target(self) -> Target | None:
+        t = self.spec.get("target")
+        return Target(**t) if t else None
+
+    def varying(self) -> list[str]:
+        """Parameters whose value differs between runs, grid axes first (in grid order)."""
+        keys: list[str] = list((self.spec.get("grid") or {}).keys())
+        for r in self.runs:
+            for k in r.config:
+                if k not in keys:
+                    keys.append(k)
+        out = []
+        for k in keys:
+            if k in IGNORED_KEYS:
+                continue
+            values = {_hashable(r.value(k)) for r in self.runs}
+            if len(values) > 1:
+                out.append(k)
+        return out
+
+    def fixed(self) -> dict[str, Any]:
+        """Parameters equal in every run (for captions)."""
+        if not self.runs:
+            return {}
+        vary = set(self.varying())
+        first = self.runs[0]
+        return {k: first.value(k) for k in first.config if k not in vary and k not in IGNORED_KEYS}
+
+
+def _hashable(v: Any) -> Any:
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def load_runs(path: str | Path) -> Collection:
+    """Runs of a run directory, a sweep directory, or a directory of run directories."""
+    root = Path(path)
+    if not root.is_dir():
+        raise GradzipError(f"{str(root)!r} is not a directory (give a run or sweep directory)")
+    if is_run_dir(root):
+        return Collection(root, [load_run(root)])
+    sweep = None
+    runs: list[Run] = []
+    if (root / "sweep.json").is_file():
+        try:
+            sweep = json.loads((root / "sweep.json").read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise GradzipError(f"{root / 'sweep.json'} is not valid JSON ({e}); re-run the sweep") from None
+        for cell in sweep.get("cells", []):
+            d = root / cell["name"]
+            if is_run_dir(d) and cell.get("status") != "failed":
+                runs.append(load_run(d, cell.get("params"), cell["name"]))
+    else:
+        for d in sorted(p for p in root.iterdir() if p.is_dir()):
+            if is_run_dir(d):
+                runs.append(load_run(d))
+    runs = [r for r in runs if r.train_rows or r.summary]
+    if not runs:
+        raise GradzipError(f"no finished runs found in {str(root)!r} (a run directory holds metrics.jsonl; "
+                           "a sweep directory holds sweep.json)")
+    return Collection(root, runs, sweep)
+
+
+# -- the results table ---------------------------------------------------------------------------
+
+def baseline_of(run: Run, runs: list[Run], vary: list[str]) -> Run | None:
+    """The ``none`` run whose other varying parameters equal ``run``'s."""
+    others = [k for k in vary if k != "compressor"]
+    for b in runs:
+        if b.compressor_family == "none" and all(_hashable(b.value(k)) == _hashable(run.value(k)) for k in others):
+            return b
+    return None
+
+
+def _fmt(v: float | None, digits: int = 4) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if v != 0 and abs(v) < 1e-3:
+        return f"{v:.{digits - 1}e}"
+    return f"{v:.{digits}g}"
+
+
+def results_rows(col: Collection, target: Target | None = None) -> tuple[list[str], list[list[Any]]]:
+    """Header and rows (raw values) of the results table, one row per run."""
+    target = target or col.target
+    vary = [k for k in col.varying() if k != "compressor"]
+    header = ["run", "compressor", *vary, "final_eval_loss", "delta_vs_none"]
+    if target:
+        header += ["steps_to_target", "time_to_target_s"]
+    header += ["clock", "mb_per_step", "compression_ratio", "samples_per_s"]
+    rows = []
+    all_vary = col.varying()
+    for r in col.runs:
+        base = baseline_of(r, col.runs, all_vary)
+        delta = None
+        if base is not None and r.final_eval_loss is not None and base.final_eval_loss is not None:
+            delta = r.final_eval_loss - base.final_eval_loss
+        row: list[Any] = [r.name, r.compressor, *(r.value(k) for k in vary), r.final_eval_loss, delta]
+        if target:
+            hit = r.time_to_target(target)
+            row += [hit[0] if hit else None, hit[1] if hit else None]
+        row += [r.clock, r.mb_per_step, r.compression_ratio, r.samples_per_s]
+        rows.append(row)
+    return header, rows
+
+
+_TITLES = {
+    "run": "run", "compressor": "compressor", "final_eval_loss": "final eval loss",
+    "delta_vs_none": "Δ vs none", "steps_to_target": "steps to target", "time_to_target_s": "time to target (s)",
+    "clock": "clock", "mb_per_step": "MB/step", "compression_ratio": "compression ×", "samples_per_s": "samples/s",
+}
+
+
+def results_markdown(col: Collection, target: Target | None = None) -> str:
+    target = target or col.target
+    header, rows = results_rows(col, target)
+    show_run = len({r.name for r in col.runs}) > 1 and len(header) > 0
+    idx = [i for i, h in enumerate(header) if h != "run" or show_run]
+    def numeric(i: int) -> bool:
+        vals = [row[i] for row in rows if row[i] is not None]
+        return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+
+    lines = ["| " + " | ".join(_TITLES.get(header[i], header[i]) for i in idx) + " |",
+             "|" + "|".join("---:" if numeric(i) or header[i] == "delta_vs_none" else "---" for i in idx) + "|"]
+    ci = header.index("compressor")
+    for row in rows:
+        cells = []
+        for i in idx:
+            h, v = header[i], row[i]
+            if h == "delta_vs_none" and str(row[ci]).split(":")[0].strip() == "none":
+                cells.append("baseline")
+            elif h == "delta_vs_none" and v is None:
+                cells.append("—")
+            elif h == "delta_vs_none":
+                cells.append(f"{v if abs(v) >= 5e-5 else 0.0:+.4f}")  # no "-0.0000"
+            elif h == "compressor":
+                cells.append(f"`{v}`")
+            elif isinstance(v, float):
+                cells.append(_fmt(v, 3 if h == "compression_ratio" else 4) + ("×" if h == "compression_ratio" else ""))
+            else:
+                cells.append("—" if v is None else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = ["", f"{len(rows)} run(s). Δ vs none: final eval loss minus that of the `none` run with otherwise "
+             "equal parameters. MB/step: megabytes (10^6 B) sent per rank per optimizer step. "
+             "compression ×: fp32 bytes / bytes sent. samples/s: global samples per second on the run's clock, "
+             "first step (warm-up) excluded."]
+    if target:
+        what = "eval loss" if target.metric == "eval_loss" else f"training loss (EMA {target.smoothing:g})"
+        notes.append(f"Target: {what} ≤ {target.loss:g}; time is cumulative on each run's clock (— = not reached).")
+    return "\n".join(lines + notes) + "\n"
+
+
+def results_csv(col: Collection, target: Target | None = None) -> str:
+    header, rows = results_rows(col, target)
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    for row in rows:
+        w.writerow(["" if v is None else (repr(v) if isinstance(v, float) else v) for v in row])
+    return buf.getvalue()
