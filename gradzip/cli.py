@@ -2,7 +2,8 @@
 provides ``add_arguments(parser)`` and ``run(args) -> int``.
 
 Bad input anywhere raises :class:`gradzip.errors.GradzipError`: printed as one line
-(``gradzip: error: ...``), exit code 2, no traceback.
+(``gradzip CMD: error: ...``), exit code 2, no traceback. A failed collective
+(:class:`gradzip.errors.CommError`, naming the operation and the lost rank) is one line too, exit 1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from gradzip.errors import GradzipError
+from gradzip.errors import CommError, GradzipError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except GradzipError as e:
         sys.stderr.write(f"gradzip {args.command}: error: {e}\n")
         return 2
+    except CommError as e:  # a lost peer or timeout: the message names the op and the rank
+        sys.stderr.write(f"gradzip {args.command}: communication error: {e}\n")
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write("gradzip: interrupted\n")
         return 130

@@ -9,12 +9,9 @@ import re
 
 from gradzip.errors import SpecError
 
-_BW = {
-    "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12,
-    # byte-based spellings (capital B in the usual notation; we lower-case everything)
-    "byte/s": 8.0, "kb/s": 8e3, "mb/s": 8e6, "gb/s": 8e9,
-}
+# Bandwidth prefixes; the unit's case decides bits (b) or bytes (B) after the prefix, as usual:
+# "100Mbit", "100Mb/s", "100mbps" are bits; "12.5MB/s", "12.5MBps" are bytes (8 bits).
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _SIZE = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _NUM = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
@@ -39,8 +36,31 @@ def _parse(text: str | float | int, table: dict[str, float], what: str, default_
 
 
 def parse_bandwidth(text: str | float) -> float:
-    """``"1gbit"`` -> 1e9 bits/s. A bare number is bits/s. Must be > 0."""
-    bw = _parse(text, _BW, "bandwidth", "bit")
+    """``"1gbit"`` -> 1e9 bits/s. Units: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` (any case),
+    ``Mb/s``/``Mbps`` (bits) and ``MB/s``/``MBps`` (bytes). A bare number is bits/s. Must be > 0."""
+    if isinstance(text, (int, float)):
+        bw = float(text)
+    elif str(text).strip().startswith("-"):
+        raise SpecError(f"bandwidth must be positive, got {text!r} (e.g. 1gbit, 100mbit)")
+    else:
+        m = re.fullmatch(_NUM + r"\s*([a-zA-Z/]*)", str(text).strip())
+        if not m:
+            raise SpecError(f"cannot parse bandwidth {text!r}: expected a number and a unit such as 1gbit, "
+                            "100mbit, 10Gb/s or 125MB/s")
+        unit = m.group(2)
+        low = unit.lower()
+        if low.endswith("bit"):
+            prefix, scale = low[:-3], 1.0
+        elif low.endswith(("b/s", "bps")):
+            prefix, scale = low[:-3], (8.0 if unit[-3] == "B" else 1.0)
+        elif unit == "":
+            prefix, scale = "", 1.0
+        else:
+            prefix, scale = "?", 1.0
+        if prefix not in _PREFIX:
+            raise SpecError(f"unknown bandwidth unit {unit!r} in {text!r}: use bit, kbit, mbit, gbit or tbit "
+                            "(or Mb/s, Gbps for bits; MB/s, GBps for bytes)")
+        bw = float(m.group(1)) * _PREFIX[prefix] * scale
     if bw <= 0:
         raise SpecError(f"bandwidth must be positive, got {text!r} (e.g. 1gbit, 100mbit)")
     return bw

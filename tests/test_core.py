@@ -10,7 +10,8 @@ from gradzip.units import parse_bandwidth, parse_latency, parse_size
 
 
 @pytest.mark.parametrize("text,bps", [("1gbit", 1e9), ("100mbit", 1e8), ("10Gbit", 1e10), ("2.5gbps", 2.5e9),
-                                      ("125MB/s", 1e9), (1e6, 1e6)])
+                                      ("125MB/s", 1e9), (1e6, 1e6),
+                                      ("100Mb/s", 1e8), ("100MB/s", 8e8), ("1Gbps", 1e9), ("1GBps", 8e9)])
 def test_bandwidth(text, bps):
     assert parse_bandwidth(text) == pytest.approx(bps)
 

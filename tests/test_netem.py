@@ -136,7 +136,7 @@ def test_signal_during_up_leaves_nothing(prefix, tmp_path, sig, code):
 def test_cli_bad_flags_exit_2(capsys):
     from gradzip.cli import main
 
-    for argv, needle in ((["--rate=-1gbit"], "cannot parse bandwidth"), (["--loss", "150"], "loss must be"),
+    for argv, needle in ((["--rate=-1gbit"], "bandwidth must be positive"), (["--loss", "150"], "loss must be"),
                          (["--subnet", "192.168.0.0/24"], "outside the benchmarking range")):
         assert main(["netem", "up", "--prefix", "badflags", *argv]) == 2
         err = capsys.readouterr().err

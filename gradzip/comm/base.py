@@ -26,7 +26,6 @@ Contract (every backend):
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -159,15 +158,3 @@ class Communicator(ABC):
 
 def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-class Stopwatch:
-    """Measures one call's wall time for the stats."""
-
-    __slots__ = ("t0",)
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from gradzip.comm import cost
+from gradzip.comm._common import mean_inplace
 from gradzip.comm.base import DEFAULT_TIMEOUT_S, Communicator, Handle, ReduceOp, nbytes
 from gradzip.errors import CommError, CommTimeout
 from gradzip.units import parse_bandwidth, parse_latency
@@ -134,11 +135,14 @@ class SimWorld:
         ins: list[Tensor] = op.inputs  # type: ignore[assignment]
         n, link = self.n, self.link
         if op.kind == "allreduce":
-            acc = ins[0].to(torch.float64 if ins[0].dtype == torch.float64 else torch.float32).clone()
+            dt = ins[0].dtype  # exact integer sums, as Gloo/MPI do; floats accumulate in fp32 (fp64 stays)
+            acc_dtype = dt if dt in (torch.float64, torch.int64) else (
+                torch.float32 if dt.is_floating_point or dt == torch.bool else torch.int64)
+            acc = ins[0].to(acc_dtype, copy=True)
             for t in ins[1:]:
                 acc += t
             if op.arg == "mean":
-                acc /= n
+                mean_inplace(acc, n)
             for t in ins:
                 t.copy_(acc)
             op.results = list(ins)

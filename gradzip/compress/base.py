@@ -3,7 +3,7 @@
 A compressor turns one gradient tensor into a *payload* (a tuple of tensors that cross the wire)
 plus a local *context*, and turns a payload back into a tensor of the original shape and dtype.
 
-Protocol, as driven by :class:`gradzip.compress.exchange.Exchange`::
+Protocol, as driven by :class:`gradzip.engine.exchange.Exchange`::
 
     payload, ctx = c.compress(x, key)                # round 0
     for r in range(1, c.rounds):                     # multi-round compressors (PowerSGD)
@@ -164,10 +164,28 @@ def numel_of(shape: Sequence[int] | int) -> int:
 
 
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
-    """One contiguous 1-D tensor (a copy, unless there is exactly one contiguous tensor)."""
+    """One contiguous 1-D tensor: a view when the tensors are consecutive contiguous pieces of one
+    buffer (the engine's buckets, EF's memory), else a copy."""
     if len(tensors) == 1:
         return tensors[0].reshape(-1)
+    span = _consecutive_span(tensors)
+    if span is not None:
+        return span
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _consecutive_span(tensors: Sequence[Tensor]) -> Tensor | None:
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    total = offset - first.storage_offset()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,))
 
 
 def unflatten(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import Compressor, Payload
+from gradzip.compress.base import Compressor, Payload, flatten, unflatten
 
 
 @dataclass
@@ -49,7 +49,8 @@ class ErrorFeedback(Compressor):
     def __init__(self, inner: Compressor) -> None:
         super().__init__(inner.config)
         self.inner = inner
-        self.memory: dict[str, list[Tensor]] = {}
+        self.memory: dict[str, list[Tensor]] = {}  # per key: views of self._flat[key]
+        self._flat: dict[str, Tensor] = {}
         # Mirror the inner compressor's declarations; EF makes any compressor biased-but-convergent.
         self.name = inner.name
         self.collective = inner.collective
@@ -73,12 +74,24 @@ class ErrorFeedback(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         return self.decompress_batch(payload, ctx)[0]
 
+    def _memory_for(self, key: str, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """This key's residuals: fp32 views of one flat buffer (so batching compressors such as
+        PowerSGD see neighbouring matrices, and flatten() needs no copy), on the tensors' device."""
+        mem = self.memory.get(key)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        same_shapes = mem is not None and [m.shape for m in mem] == [t.shape for t in tensors]
+        if same_shapes and (not mem or mem[0].device == device):
+            return mem  # type: ignore[return-value]
+        flat = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float32, device=device)
+        if same_shapes and mem:  # e.g. loaded on the CPU, training on CUDA: keep the residual
+            flat.copy_(flatten(mem))
+        mem = unflatten(flat, [t.shape for t in tensors])
+        self.memory[key], self._flat[key] = mem, flat
+        return mem
+
     @torch.no_grad()
     def compress_batch(self, tensors: Sequence[Tensor], key: str = "") -> tuple[Payload, Any]:
-        mem = self.memory.get(key)
-        if mem is None or [m.shape for m in mem] != [t.shape for t in tensors]:
-            mem = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
-            self.memory[key] = mem
+        mem = self._memory_for(key, tensors)
         # The memory buffers become the compensated gradient in place (no per-step allocation) and
         # go back to holding the residual in _update_memory.
         for m, t in zip(mem, tensors):
@@ -104,10 +117,9 @@ class ErrorFeedback(Compressor):
         transmitted = self.inner.decompress_batch(payload, ctx.inner)
         for m, t in zip(ctx.compensated, transmitted):
             m.sub_(t)
-            # A non-finite gradient (an fp16 overflow step that the grad scaler skips) would
-            # poison the memory for good: drop the residual instead.
-            if not torch.isfinite(m).all():
-                m.zero_()
+        # A non-finite gradient (an fp16 overflow step that the grad scaler skips) would poison the
+        # memory for good: zero those entries (no host sync, unlike an isfinite().all() check).
+        self._flat[ctx.key].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         ctx.compensated = None
 
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
@@ -129,4 +141,7 @@ class ErrorFeedback(Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state.get("inner", {}))
-        self.memory = {k: [m.clone() for m in v] for k, v in state.get("memory", {}).items()}
+        self.memory, self._flat = {}, {}
+        for key, mems in state.get("memory", {}).items():
+            flat = flatten(mems).to(torch.float32, copy=True) if mems else torch.zeros(0)
+            self.memory[key], self._flat[key] = unflatten(flat, [m.shape for m in mems]), flat

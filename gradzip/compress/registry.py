@@ -27,7 +27,7 @@ from gradzip.errors import SpecError
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 _LOADED = False
-_NOT_COMPRESSORS = {"base", "registry", "exchange", "ef", "bitpack", "select"}
+_NOT_COMPRESSORS = {"base", "registry", "ef", "bitpack", "select", "ls_cli"}
 
 
 def register(name: str):

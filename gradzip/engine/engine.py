@@ -46,7 +46,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -295,9 +295,6 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-    def config_dict(self) -> dict[str, Any]:
-        return {"compressor": self.spec, **asdict(self.config)}
 
     def __repr__(self) -> str:
         mode = f"sim x{self.num_workers}" if self.sim else f"rank {self.comm.rank}/{self.world_size}"

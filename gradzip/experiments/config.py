@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError, SpecError
+from gradzip.io import atomic_write_text
 
 BACKENDS = ("sim", "gloo", "nccl", "mpi")
 OPTIMIZERS = ("adamw", "lamb")
@@ -266,10 +267,7 @@ def write_toml(cfg: TrainConfig, path: str | os.PathLike[str]) -> None:
         if value is None or key in _NOT_SAVED:
             continue
         lines.append(f"{key} = {_toml_value(value)}")
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, p)
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def _toml_value(v: Any) -> str:

@@ -32,21 +32,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gradzip.io import atomic_write_json, atomic_write_text, read_jsonl
+
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a metrics file; a torn last line (crash mid-write) is skipped."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            out.append(rec)
-    return out
+    return [r for r in read_jsonl(path) if isinstance(r, dict) and "step" in r]
 
 
 def truncate_metrics(path: str | os.PathLike[str], step: int) -> None:
@@ -55,9 +46,7 @@ def truncate_metrics(path: str | os.PathLike[str], step: int) -> None:
     if not p.exists():
         return
     keep = [r for r in read_metrics(p) if r["step"] <= step]
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
-    os.replace(tmp, p)
+    atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 class MetricsLog:
@@ -126,7 +115,4 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
 
 
 def write_json(obj: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, p)
+    atomic_write_json(path, obj)

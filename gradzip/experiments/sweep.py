@@ -55,6 +55,7 @@ from typing import Any
 
 from gradzip.errors import GradzipError
 from gradzip.experiments.spec import Cell, Spec, load_spec
+from gradzip.io import atomic_write_json
 
 TAIL_CHARS = 20_000  # end of a failed cell's output kept in error.txt
 
@@ -87,12 +88,6 @@ def launcher_rank() -> int | None:
 
 
 # ---------------------------------------------------------------------- one cell
-def _atomic_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _read_summary(run_dir: Path) -> dict[str, Any] | None:
     try:
         return json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
@@ -197,6 +192,10 @@ def run_cell(cell: Cell, sweep_dir: Path, in_process: bool, main: bool = True, e
     t0 = time.monotonic()
     try:
         cfg = TrainConfig.from_dict(cell.config, source=f"cell {cell.name}")
+        if in_process and cfg.real_backend:  # under a launcher: the world size is the launcher's
+            from gradzip.comm.launch import detect_launcher_env
+
+            cfg = cfg.replace(workers=detect_launcher_env().world_size)
         state = cell_state(run_dir, cfg)
     except GradzipError as e:
         # The directory holds someone else's run: report, but write nothing into it.
@@ -266,7 +265,18 @@ def run_sweep(spec: Spec, out: Path, in_process: bool | None = None, echo: bool 
         if sims:
             raise GradzipError(f"{spec.path}: cell {sims[0]} uses backend sim, which cannot run under a launcher "
                                "(torchrun/mpirun/srun); start `gradzip sweep` without it, or use a real backend")
+        netems = [c.name for c in spec.cells if c.config.get("netem")]
+        if netems:
+            raise GradzipError(f"{spec.path}: cell {netems[0]} runs in the network testbed (a real backend with "
+                               "`bandwidth`), which gradzip must launch itself; start `gradzip sweep` without "
+                               "torchrun/mpirun/srun, or drop `bandwidth` from the spec")
         in_process = True
+    elif in_process:
+        # Without a launcher, a gloo/mpi cell trained in this process would be a world of one rank.
+        real = [c.name for c in spec.cells if c.config.get("backend", "sim") != "sim"]
+        if real:
+            raise GradzipError(f"{spec.path}: cell {real[0]} uses a real backend, whose processes the runner "
+                               "starts itself; drop --in-process (or start the sweep under torchrun/mpirun/srun)")
     main = rank in (None, 0)
     in_process = bool(in_process)
     if out.exists() and not out.is_dir():
@@ -279,7 +289,7 @@ def run_sweep(spec: Spec, out: Path, in_process: bool | None = None, echo: bool 
     def save() -> None:
         if main:
             state["cells"] = [r.to_json() for r in results]
-            _atomic_json(out / "sweep.json", state)
+            atomic_write_json(out / "sweep.json", state)
 
     if main:
         out.mkdir(parents=True, exist_ok=True)

@@ -134,6 +134,7 @@ def launch_in_testbed(cfg: Any, argv: list[str], env_extra: dict[str, str] | Non
         addrs = [tb.host_addr(i) for i in range(n)]
         sys.stderr.write(f"gradzip train: {n} {cfg.backend} ranks in testbed {tb.prefix} ({how}): "
                          f"{addrs[0]}..{addrs[-1]}, egress {spec.shaping.describe()} per host\n")
+        first_step = _metrics_step_count(cfg.out)  # a resumed run: count only this invocation's steps
         before = testbed.counters(tb, n)
         if cfg.backend == "mpi":
             rc = spawn_mpi(tb, n, argv, env)
@@ -142,7 +143,7 @@ def launch_in_testbed(cfg: Any, argv: list[str], env_extra: dict[str, str] | Non
                              prefix=lambda r: [ip, "netns", "exec", tb.host_ns(r)])
         after = testbed.counters(tb, n)
     if rc == 0 and cfg.out and (Path(cfg.out) / "summary.json").is_file():
-        s = add_wire_report(Path(cfg.out), spec, tb, how, before, after)
+        s = add_wire_report(Path(cfg.out), spec, tb, how, before, after, first_step)
         if s.get("wire_overhead") is not None:
             sys.stderr.write(f"gradzip train: on the wire {s['wire_bytes']:,} bytes from {n} hosts, "
                              f"{s['wire_overhead']:+.2%} vs the {s['accounted_bytes']:,} bytes accounted "
@@ -191,16 +192,28 @@ def spawn_mpi(tb: Testbed, n: int, argv: list[str], env_extra: dict[str, str], t
         return _supervise([proc], ["mpirun"], timeout, 10.0)
 
 
+def _metrics_step_count(out: str | Path | None) -> int:
+    """The last step recorded in ``out/metrics.jsonl`` (0 for a new run)."""
+    from gradzip.experiments.metrics import read_metrics
+
+    path = Path(out) / "metrics.jsonl" if out else None
+    if path is None or not path.is_file():
+        return 0
+    return max((int(r.get("step", 0)) for r in read_metrics(path)), default=0)
+
+
 def wire_report(summary: dict[str, Any], before: list[testbed.HostCounters],
-                after: list[testbed.HostCounters]) -> dict[str, Any]:
-    """The wire-byte fields (see the module docstring) for a run's summary."""
+                after: list[testbed.HostCounters], sent_per_step: list[float] | None = None) -> dict[str, Any]:
+    """The wire-byte fields (see the module docstring) for a run's summary. ``sent_per_step``: the
+    engine's ``bytes_sent`` of each step this invocation ran (default: every step of the summary)."""
     n = len(before)
     tx = [a.tx_bytes - b.tx_bytes for a, b in zip(after, before)]
     frames = [a.shaped_bytes - b.shaped_bytes for a, b in zip(after, before)]
-    steps = int(summary.get("steps") or 0)
-    per_step = float(summary.get("bytes_per_step") or 0.0)
+    if sent_per_step is None:
+        sent_per_step = [float(summary.get("bytes_per_step") or 0.0)] * int(summary.get("steps") or 0)
+    steps = len(sent_per_step)
     params = int(summary.get("params") or 0)
-    accounted = n * per_step * steps + (n - 1) * 4 * params
+    accounted = n * sum(sent_per_step) + (n - 1) * 4 * params
     return {
         "wire_bytes": sum(tx),
         "wire_frame_bytes": sum(frames),
@@ -214,12 +227,14 @@ def wire_report(summary: dict[str, Any], before: list[testbed.HostCounters],
 
 
 def add_wire_report(out: Path, spec: NetemSpec, tb: Testbed, how: str, before: list[testbed.HostCounters],
-                    after: list[testbed.HostCounters]) -> dict[str, Any]:
-    from gradzip.experiments.metrics import write_json
+                    after: list[testbed.HostCounters], first_step: int = 0) -> dict[str, Any]:
+    from gradzip.experiments.metrics import read_metrics, write_json
 
     path = out / "summary.json"
     summary = json.loads(path.read_text())
-    summary.update(wire_report(summary, before, after))
+    records = read_metrics(out / "metrics.jsonl")
+    sent = [float(r.get("bytes_sent") or 0) for r in records if r.get("step", 0) > first_step]
+    summary.update(wire_report(summary, before, after, sent))
     summary["netem"] = {"spec": spec.text, "hosts": spec.hosts, "prefix": tb.prefix, "testbed": how,
                         "addresses": [tb.host_addr(i) for i in range(spec.hosts)], "mtu": tb.mtu,
                         "loss_method": tb.loss_method, **asdict(spec.shaping)}

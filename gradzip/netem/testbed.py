@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError
+from gradzip.io import atomic_write_json
 from gradzip.units import format_bandwidth
 
 ALLOWED = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544 benchmarking range
@@ -253,9 +254,7 @@ def load(prefix: str = DEFAULT_PREFIX) -> Testbed | None:
 def _save(tb: Testbed) -> None:
     path = _state_path(tb.prefix)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(tb.to_dict(), indent=1))
-    os.replace(tmp, path)
+    atomic_write_json(path, tb.to_dict(), indent=1)
 
 
 @contextlib.contextmanager

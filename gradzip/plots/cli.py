@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradzip.errors import GradzipError
+from gradzip.io import atomic_write_text
 from gradzip.plots.results import Collection, Target, load_runs, results_csv, results_markdown
 
 
@@ -24,12 +25,6 @@ class Report:
     figures: list  # list[figures.Drawn]
     skipped: list[tuple[str, str]]
     figures_md: Path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def make_report(path: str | Path, out: str | Path | None = None, figures: list[str] | None = None,
@@ -55,8 +50,8 @@ def make_report(path: str | Path, out: str | Path | None = None, figures: list[s
     table = results_markdown(col, target)
     md, csv_path = out_dir / "results.md", out_dir / "results.csv"
     title = col.spec.get("name") or col.root.name
-    _atomic_write(md, f"# Results: {title}\n\n{table}")
-    _atomic_write(csv_path, results_csv(col, target))
+    atomic_write_text(md, f"# Results: {title}\n\n{table}")
+    atomic_write_text(csv_path, results_csv(col, target))
 
     fig_dir = out_dir / "figures"
     drawn, skipped = draw_all(col, fig_dir, figures, captions, target)
@@ -72,7 +67,7 @@ def make_report(path: str | Path, out: str | Path | None = None, figures: list[s
         lines += ["## Not drawn", ""] + [f"- `{n}`: {why}." for n, why in skipped] + [""]
     fig_dir.mkdir(parents=True, exist_ok=True)
     figures_md = fig_dir / "figures.md"
-    _atomic_write(figures_md, "\n".join(lines))
+    atomic_write_text(figures_md, "\n".join(lines))
     return Report(table, [md, csv_path], drawn, skipped, figures_md)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError
+from gradzip.io import read_jsonl
 from gradzip.units import parse_bandwidth
 
 # Figure name -> what it shows (drawn by gradzip.plots.figures; here so that listing them is cheap).
@@ -230,19 +231,7 @@ def centred_mean(values: list[float], half: int) -> list[float]:
 # -- loading ----------------------------------------------------------------------------------
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    if not path.is_file():
-        return rows
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash: the rows before it are still good
-    return rows
+    return read_jsonl(path)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -251,12 +240,16 @@ def is_run_dir(path: Path) -> bool:
 
 def load_run(path: Path, params: dict[str, Any] | None = None, name: str | None = None) -> Run:
     config: dict[str, Any] = {}
-    if (path / "config.toml").is_file():
-        with open(path / "config.toml", "rb") as f:
-            config = tomllib.load(f)
     summary = None
-    if (path / "summary.json").is_file():
-        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    try:
+        if (path / "config.toml").is_file():
+            with open(path / "config.toml", "rb") as f:
+                config = tomllib.load(f)
+        if (path / "summary.json").is_file():
+            summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise GradzipError(f"{path}: cannot read its config.toml/summary.json ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0]}); repair or remove that run directory") from None
     return Run(path, name or path.name, config, summary, _read_metrics(path / "metrics.jsonl"), dict(params or {}))
 
 
