@@ -339,3 +339,18 @@ def test_bench_train_reports_throughput_and_loss(capsys):
     assert row["model"] == "bert-tiny" and row["steps"] == 2 and row["tokens_per_s"] > 0 and row["params"] > 10**6
     conv = report["convergence"]
     assert conv["steps"] == 3 and conv["initial_eval_loss"] > 0 and conv["final_eval_loss"] > 0
+
+
+def test_tokenizer_file_flag_reuses_a_given_vocabulary(tmp_path):
+    """--tokenizer FILE loads a vocabulary instead of training one: the same vocabulary, saved and
+    given back, gives the same run as the trained one."""
+    from gradzip.data import PretrainData
+    from gradzip.models import bert_config
+
+    data = PretrainData.build(seq_len=64, vocab_size=bert_config("bert-tiny").vocab_size, progress=False)
+    data.tokenizer.save(tmp_path / "tokenizer.json")
+    assert train_cli(*TINY, "--steps", "2", "--out", str(tmp_path / "trained")) == 0
+    assert train_cli(*TINY, "--steps", "2", "--tokenizer", str(tmp_path / "tokenizer.json"),
+                     "--out", str(tmp_path / "given")) == 0
+    assert losses(tmp_path / "given") == losses(tmp_path / "trained")
+    assert load_toml(tmp_path / "given" / "config.toml")["tokenizer"] == str(tmp_path / "tokenizer.json")

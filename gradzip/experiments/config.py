@@ -74,6 +74,7 @@ class TrainConfig:
     # -- data
     corpus: str | None = None
     vocab_size: int | None = None
+    tokenizer: str | None = None  # a vocab.txt or tokenizer.json to use instead of training one
     # -- evaluation, checkpoints, outputs
     eval_every: int = 50
     eval_batches: int = 16

@@ -152,7 +152,7 @@ def build_data(cfg: TrainConfig, rt: Runtime) -> Any:
 
     vocab = cfg.vocab_size or bert_config(cfg.model).vocab_size  # the model size's default vocabulary
     return PretrainData.build(corpus=cfg.corpus, seq_len=cfg.seq_len, vocab_size=vocab, seed=cfg.seed,
-                              progress=cfg.progress and rt.is_main)
+                              progress=cfg.progress and rt.is_main, tokenizer=cfg.tokenizer)
 
 
 # ---------------------------------------------------------------------- randomness

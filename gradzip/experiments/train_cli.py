@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--corpus", "text file or directory, JSONL with a 'text' field, or hf:NAME (default: the built-in "
          "corpus)", show_default=False, metavar="PATH|hf:NAME")
     flag(g, "--vocab-size", "WordPiece vocabulary size (default: the model's)", show_default=False, type=int)
+    flag(g, "--tokenizer", "use this vocab.txt or tokenizer.json instead of training a WordPiece vocabulary on "
+         "the corpus", show_default=False, metavar="FILE")
 
     g = p.add_argument_group("evaluation, checkpoints, outputs")
     flag(g, "--eval-every", "held-out loss every N steps and after the last (0: only after the last)", type=int)
