@@ -96,7 +96,9 @@ def save(directory: str | os.PathLike[str], step: int, rank: int, shared: dict[s
         obj["shared"] = shared
     path = checkpoint_path(directory, step, rank)
     atomic_save(obj, path)
-    for _, old in list_checkpoints(directory, rank)[:-keep]:
+    # A shard is written before rank 0's file completes its checkpoint: ranks > 0 keep one more, so
+    # that a crash in between still leaves the newest complete checkpoint with all its shards.
+    for _, old in list_checkpoints(directory, rank)[:-(keep if rank == 0 else keep + 1)]:
         old.unlink(missing_ok=True)
     return path
 
