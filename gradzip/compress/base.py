@@ -116,6 +116,10 @@ class Compressor(ABC):
         """Exact payload bytes for a bucket of tensors with these shapes."""
         return self.payload_bytes(sum(_numel(s) for s in shapes), dtype)
 
+    def ef_caveat(self) -> str | None:
+        """A warning to show when this configuration is wrapped in error feedback, or None."""
+        return None
+
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Everything that persists between steps. Stateless compressors return ``{}``."""

@@ -64,6 +64,12 @@ class RandomK(Compressor):
         self.biased = not self.config.unbiased
         self.counters: dict[str, int] = {}
 
+    def ef_caveat(self) -> str | None:
+        if self.config.unbiased:
+            return ("unbiased=true scales the kept entries by n/k, which is not a contraction: error feedback "
+                    "then diverges; use unbiased=false with ef=true")
+        return None
+
     def indices(self, n: int, key: str) -> Tensor:
         """This step's sorted int64 indices for ``key`` (advances the key's counter)."""
         step = self.counters.get(key, 0)

@@ -20,6 +20,7 @@ import importlib
 import pkgutil
 import types
 import typing
+import warnings
 from typing import Any
 
 from gradzip.compress.base import Compressor
@@ -27,6 +28,7 @@ from gradzip.errors import SpecError
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 _LOADED = False
+_WARNED: set[tuple[str, str]] = set()
 _NOT_COMPRESSORS = {"base", "registry", "ef", "bitpack", "select", "ls_cli"}
 
 
@@ -135,6 +137,9 @@ def create(spec: str | Compressor) -> Compressor:
     except (ValueError, TypeError) as e:
         raise SpecError(f"{name}: {e}") from None
     comp = cls(config)
+    if ef and (caveat := comp.ef_caveat()) and (name, caveat) not in _WARNED:
+        _WARNED.add((name, caveat))  # once per process: specs are parsed again per worker and rank
+        warnings.warn(f"{name}: {caveat}", stacklevel=2)
     if ef:
         from gradzip.compress.ef import ErrorFeedback
 
