@@ -8,24 +8,40 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str, fsync: bool = False) -> None:
-    """Write ``text`` to ``path`` atomically (``fsync=True`` also makes it durable)."""
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None], durable: bool = False) -> None:
+    """Call ``write(file)`` on a temporary file next to ``path``, then rename it over ``path``.
+    ``durable=True`` also fsyncs the file and its directory (checkpoints)."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            if fsync:
+        with open(tmp, "wb") as f:
+            write(f)
+            if durable:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, p)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if durable:  # make the rename itself durable
+        try:
+            fd = os.open(p.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, durable: bool = False) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), durable)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:

@@ -147,6 +147,21 @@ class Compressor(ABC):
         return f"<{type(self).__name__} {self.spec}>"
 
 
+class BucketCompressor(Compressor):
+    """Base for compressors whose native unit is a bucket of tensors (PowerSGD works per matrix,
+    error feedback per tensor): they implement the ``*_batch`` methods, and a single tensor is a
+    bucket of one."""
+
+    def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:
+        return self.compress_batch([tensor], key)
+
+    def next_round(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
+        return self.next_round_batch(reduced, ctx)
+
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        return self.decompress_batch(payload, ctx)[0]
+
+
 @dataclasses.dataclass
 class _BatchCtx:
     inner: Any

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import Compressor, Payload, flatten, unflatten
+from gradzip.compress.base import BucketCompressor, Compressor, Payload, flatten, unflatten
 
 
 @dataclass
@@ -43,7 +43,7 @@ def _unalias(payload: Payload, buffers: Sequence[Tensor]) -> Payload:
     return tuple(p.clone() if p.numel() and p.untyped_storage().data_ptr() in ptrs else p for p in payload)
 
 
-class ErrorFeedback(Compressor):
+class ErrorFeedback(BucketCompressor):
     """Wraps ``inner``; holds one fp32 residual list per key."""
 
     def __init__(self, inner: Compressor) -> None:
@@ -64,15 +64,6 @@ class ErrorFeedback(Compressor):
     def spec(self) -> str:
         return self.inner._spec_with("true")
 
-    # Single tensors go through the batch path with one element.
-    def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:
-        return self.compress_batch([tensor], key)
-
-    def next_round(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
-        return self.next_round_batch(reduced, ctx)
-
-    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        return self.decompress_batch(payload, ctx)[0]
 
     def _memory_for(self, key: str, tensors: Sequence[Tensor]) -> list[Tensor]:
         """This key's residuals: fp32 views of one flat buffer (so batching compressors such as

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compress._linalg import FactorGroup, LowRankCtx, batch_views, bmm_into, orthonormalize, seeded_normal
-from gradzip.compress.base import Compressor, Payload, numel_of, unflatten
+from gradzip.compress.base import BucketCompressor, Payload, numel_of, unflatten
 from gradzip.compress.registry import register
 
 
@@ -57,7 +57,7 @@ class PowerSGDConfig:
 
 
 @register("powersgd")
-class PowerSGD(Compressor):
+class PowerSGD(BucketCompressor):
     collective = "allreduce"
     biased = True
     default_ef = True
@@ -126,14 +126,6 @@ class PowerSGD(Compressor):
                 out[i] = approx[k].view(ctx.shapes[i])
         return [o.to(d) for o, d in zip(out, ctx.dtypes)]
 
-    def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:
-        return self.compress_batch([tensor], key)
-
-    def next_round(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
-        return self.next_round_batch(reduced, ctx)
-
-    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        return self.decompress_batch(payload, ctx)[0]
 
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         nmr = self._matrix(shape)

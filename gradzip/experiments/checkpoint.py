@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from gradzip.errors import GradzipError
+from gradzip.io import atomic_write
 
 FORMAT = "gradzip-checkpoint"
 VERSION = 1
@@ -62,24 +63,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> tuple[int, Path] | N
 
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` to a temporary file next to ``path``, fsync, then rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    atomic_write(path, lambda f: torch.save(obj, f), durable=True)
 
 
 def save(directory: str | os.PathLike[str], step: int, rank: int, shared: dict[str, Any] | None,
