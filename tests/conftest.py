@@ -10,3 +10,15 @@ os.environ.setdefault("GRADZIP_NO_PROGRESS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def mpi_unavailable() -> str | None:
+    """Why the MPI tests cannot run here (no mpirun, or no mpi4py), or None if they can."""
+    try:
+        from gradzip.comm.launch import find_mpirun
+
+        find_mpirun()
+        import mpi4py  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any reason is a skip reason
+        return f"mpirun/mpi4py unavailable: {e}"
+    return None

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import mpi_unavailable
 
 from gradzip.comm import detect_launcher_env, expand_nodelist, init_communicator, spawn_local
 from gradzip.comm._selftest import compare, sim_reference
@@ -33,18 +34,9 @@ FAIL_TIMEOUT = 3.0  # the collective timeout in the failure phase
 LAUNCH_TIMEOUT = 180.0  # a launch that takes longer is stopped (a hang), failing the test
 
 
-def _mpi_unavailable() -> str | None:
-    try:
-        from gradzip.comm.launch import find_mpirun
-
-        find_mpirun()
-        import mpi4py  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any reason is a skip reason
-        return f"mpirun/mpi4py unavailable: {e}"
-    return None
 
 
-needs_mpi = pytest.mark.skipif(_mpi_unavailable() is not None, reason=str(_mpi_unavailable()))
+needs_mpi = pytest.mark.skipif(mpi_unavailable() is not None, reason=str(mpi_unavailable()))
 
 
 @functools.cache

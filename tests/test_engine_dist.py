@@ -15,6 +15,7 @@ from pathlib import Path
 import _engine_dist_worker as W
 import pytest
 import torch
+from conftest import mpi_unavailable
 
 from gradzip.comm import SimWorld, spawn_local
 from gradzip.compress import registry
@@ -24,15 +25,6 @@ LAUNCH_TIMEOUT = 150.0
 FOUR_RANK_SPECS = ["none", "topk:ratio=0.1,ef=true", "powersgd:rank=2", "onebit"]
 
 
-def _mpirun_available() -> str | None:
-    try:
-        from gradzip.comm.launch import find_mpirun
-
-        find_mpirun()
-        import mpi4py  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any reason is a skip reason
-        return f"mpirun/mpi4py unavailable: {e}"
-    return None
 
 
 @functools.cache
@@ -60,7 +52,7 @@ def tmp_root(tmp_path_factory) -> str:
 
 
 def run(backend: str, n: int, tmp: str) -> dict[int, dict]:
-    if backend == "mpi" and (why := _mpirun_available()):
+    if backend == "mpi" and (why := mpi_unavailable()):
         pytest.skip(why)
     if n == 2:
         phases = "matrix,mismatch" + (",ddp,hang" if backend == "gloo" else "")
