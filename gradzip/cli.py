@@ -43,16 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradzip", description="Communication-efficient distributed training.")
     parser.add_argument("--version", action="version", version=f"gradzip {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name, (module, help_) in COMMANDS.items():
+    add_subcommands(sub, COMMANDS, "_module")
+    return parser
+
+
+def add_subcommands(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]], attr: str) -> None:
+    """One sub-parser per ``name -> (module, help)``; the module's ``add_arguments`` fills it and
+    ``args.<attr>`` names the module to run. Sub-commands whose module is missing still show in --help."""
+    for name, (module, help_) in table.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_module=module)
-        # Sub-commands whose module is missing (optional parts) still show in --help.
+        p.set_defaults(**{attr: module})
         try:
             importlib.import_module(module).add_arguments(p)
         except ModuleNotFoundError as e:
             if not (e.name or "").startswith("gradzip"):
                 raise
-    return parser
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> str:

@@ -6,9 +6,10 @@ over the target, so a reader (or a crash) never sees a half-written file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -63,3 +64,22 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Exclusive inter-process lock on the lock file ``path`` (created with its directory).
+    Without POSIX ``fcntl`` it does nothing: callers' writes stay atomic, work may be duplicated."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -14,15 +14,10 @@ BENCHMARKS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from gradzip.cli import add_subcommands
+
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    for name, (module, help_) in BENCHMARKS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_bench_module=module)
-        try:
-            importlib.import_module(module).add_arguments(p)
-        except ModuleNotFoundError as e:
-            if not (e.name or "").startswith("gradzip"):
-                raise
+    add_subcommands(sub, BENCHMARKS, "_bench_module")
 
 
 def run(args: argparse.Namespace) -> int:

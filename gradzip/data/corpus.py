@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradzip.errors import GradzipError
+from gradzip.io import file_lock
 
 CORPUS_FORMAT = 1
 TEXT_SUFFIXES = {"", ".txt", ".text", ".md", ".rst", ".raw", ".tokens"}
@@ -95,21 +96,9 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return root
 
 
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> contextlib.AbstractContextManager[None]:
     """Exclusive inter-process lock on ``path`` (a lock file), so concurrent builders wait."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock, builds may duplicate work but stay atomic
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return file_lock(path)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,6 @@ namespace it created (which removes their links and qdiscs) before re-raising.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import ipaddress
 import json
 import os
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError
-from gradzip.io import atomic_write_json
+from gradzip.io import atomic_write_json, file_lock
 from gradzip.units import format_bandwidth
 
 ALLOWED = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544 benchmarking range
@@ -257,16 +256,8 @@ def _save(tb: Testbed) -> None:
     atomic_write_json(path, tb.to_dict(), indent=1)
 
 
-@contextlib.contextmanager
-def _locked(prefix: str) -> Iterator[None]:
-    d = state_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    with open(d / f"{prefix}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _locked(prefix: str) -> contextlib.AbstractContextManager[None]:
+    return file_lock(state_dir() / f"{prefix}.lock")
 
 
 @contextlib.contextmanager
