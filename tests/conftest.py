@@ -7,9 +7,21 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GRADZIP_NO_PROGRESS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that starts processes or opens sockets (marked `distributed` or `root`) keeps a
+    timeout of its own, so a hang fails within minutes with the rank's name, not at the default."""
+    def starts_processes(item: pytest.Item) -> bool:
+        return bool(item.get_closest_marker("distributed") or item.get_closest_marker("root"))
+
+    bare = [i.nodeid for i in items if starts_processes(i) and not i.get_closest_marker("timeout")]
+    if bare:
+        raise pytest.UsageError("tests marked distributed/root need @pytest.mark.timeout(...): " + ", ".join(bare))
 
 
 def mpi_unavailable() -> str | None:

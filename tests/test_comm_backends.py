@@ -31,11 +31,13 @@ from gradzip.comm._selftest import compare, sim_reference
 from gradzip.errors import GradzipError
 
 FAIL_TIMEOUT = 3.0  # the collective timeout in the failure phase
-LAUNCH_TIMEOUT = 180.0  # a launch that takes longer is stopped (a hang), failing the test
+LAUNCH_TIMEOUT = 120.0  # a launch that takes longer is stopped (a hang), failing the test
 
 
 
 
+# Tests that start no process keep the module timeout; those that do have a tighter one of their own.
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 needs_mpi = pytest.mark.skipif(mpi_unavailable() is not None, reason=str(mpi_unavailable()))
 
 
@@ -81,7 +83,7 @@ def _check_named(reports: dict[int, dict], ranks: list[int], pattern: str) -> No
         assert rep["seconds"] < FAIL_TIMEOUT + 20
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_gloo_2_ranks_and_peer_death(tmp_path):
     rc, results, reports = _launch("gloo", 2, "die:1", tmp_path)
     _check_battery(results, 2)
@@ -89,7 +91,7 @@ def test_gloo_2_ranks_and_peer_death(tmp_path):
     _check_named(reports, [0], r"lost rank\(s\) \[1\]")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_gloo_4_ranks_hung_and_late_peers(tmp_path):
     rc, results, reports = _launch("gloo", 4, "stall:2,behind:3", tmp_path)
     _check_battery(results, 4)
@@ -101,7 +103,7 @@ def test_gloo_4_ranks_hung_and_late_peers(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_mpi_2_ranks_and_peer_death(tmp_path, capfd):
     rc, results, _ = _launch("mpi", 2, "die:1", tmp_path)
     _check_battery(results, 2)
@@ -112,7 +114,7 @@ def test_mpi_2_ranks_and_peer_death(tmp_path, capfd):
 
 
 @needs_mpi
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_mpi_4_ranks_hung_and_late_peers(tmp_path):
     rc, results, reports = _launch("mpi", 4, "stall:2,behind:3", tmp_path)
     _check_battery(results, 4)

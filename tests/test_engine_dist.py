@@ -46,9 +46,21 @@ def _launch(backend: str, n: int, phases: str, specs: str, tmp: str) -> dict[int
     return results
 
 
-@pytest.fixture(scope="module")
-def tmp_root(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("engine_dist"))
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def tmp_root(tmp_path_factory, request) -> str:
+    """One directory (and so one cached launch per backend and size) for each repetition under
+    ``--count N`` (pytest-repeat), so that a stress run really launches N times."""
+    rep = getattr(request.node, "callspec", None)
+    step = rep.params.get("__pytest_repeat_step_number", 0) if rep else 0
+    return _root(tmp_path_factory, step)
+
+
+@functools.cache
+def _root(factory, step: int) -> str:
+    return str(factory.mktemp(f"engine_dist{step}"))
 
 
 def run(backend: str, n: int, tmp: str) -> dict[int, dict]:
@@ -81,7 +93,7 @@ def assert_matches(got: dict, ref: dict, spec: str, where: str) -> None:
 
 
 # ------------------------------------------------------------------ the matrix
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("spec", sorted(registry()))
 def test_every_compressor_matches_sim_on_two_ranks(backend, spec, tmp_root):
@@ -93,7 +105,7 @@ def test_every_compressor_matches_sim_on_two_ranks(backend, spec, tmp_root):
         assert got["bytes_sent"] == ref["bytes_sent"], f"{backend} rank {r} {spec}: bytes per step differ from sim"
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_four_ranks_match_sim(backend, tmp_root):
     results = run(backend, 4, tmp_root)
@@ -104,7 +116,7 @@ def test_four_ranks_match_sim(backend, tmp_root):
 
 
 # ------------------------------------------------------------------ start-up checks
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_mismatched_model_or_spec_is_caught_on_every_rank(backend, tmp_root):
     results = run(backend, 2, tmp_root)
@@ -116,7 +128,7 @@ def test_mismatched_model_or_spec_is_caught_on_every_rank(backend, tmp_root):
 
 
 # ------------------------------------------------------------------ DDP adapter, hangs
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(240)
 def test_ddp_adapter_matches_the_engine(tmp_root):
     results = run("gloo", 2, tmp_root)
     for spec in W.DDP_SPECS:
@@ -128,7 +140,7 @@ def test_ddp_adapter_matches_the_engine(tmp_root):
             assert_matches(results[r]["ddp"][spec], ref, spec, f"ddp rank {r}")
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(240)
 def test_a_hung_rank_gives_a_timeout_error_naming_it(tmp_root):
     results = run("gloo", 2, tmp_root)
     msg = results[0]["hang"]

@@ -4,8 +4,10 @@ state directory, and removes what it created."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +20,7 @@ from gradzip.netem import testbed as tb
 from gradzip.netem.testbed import Shaping
 
 REPO = Path(__file__).resolve().parents[1]
+SO_RCVBUFFORCE = 33  # Linux; not exported by the socket module
 
 
 def _skip_reason() -> str | None:
@@ -34,7 +37,13 @@ def _skip_reason() -> str | None:
 
 
 REASON = _skip_reason()
-needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
+_skip_without_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
+
+
+def needs_netns(test):
+    """Marks a test `root` (namespaces, links, qdiscs) and `distributed` (sockets, processes), and
+    skips it, with the reason, where namespaces cannot be made."""
+    return pytest.mark.root(pytest.mark.distributed(_skip_without_netns(test)))
 
 
 @pytest.fixture
@@ -200,19 +209,60 @@ def test_shaped_link_throughput_matches_the_rate_in_both_directions_at_once(pref
         assert nbytes <= wire < nbytes * 1.05  # headers and the other flow's ACKs: a few per cent at most
 
 
+def _drained(t: tb.Testbed, host: int, before: tb.HostCounters, expect: int) -> tb.HostCounters:
+    """Counters of ``host`` once its shaper has handed on (sent or dropped) ``expect`` packets since
+    ``before``, or after 10 s: what is still queued at the moment of reading is neither."""
+    deadline = time.monotonic() + 10
+    while True:
+        c = tb.counters(t, host + 1)[host]
+        if (c.tx_packets + c.drops) - (before.tx_packets + before.drops) >= expect or time.monotonic() > deadline:
+            return c
+        time.sleep(0.05)
+
+
 @needs_netns
 @pytest.mark.timeout(60)
 def test_loss_drops_the_configured_fraction_of_packets(prefix):
-    """--loss 5: of 20,000 single-packet UDP datagrams, 4-6 % are dropped (±6 standard deviations),
-    by netem where the kernel has it, else by the classic-BPF filter."""
+    """--loss 5: of 20,000 single-packet UDP datagrams sent right after `up`, 4-6 % are dropped
+    (±6 standard deviations), by netem where the kernel has it, else by the classic-BPF filter.
+    Every datagram is either sent or dropped by the shaper: none waits on ARP (permanent
+    neighbour entries), so the count is exact."""
     t, _ = tb.up(2, Shaping(1e9, loss_pct=5.0), prefix=prefix)
-    code = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-            "for _ in range(20000):\n    s.sendto(bytes(200), (sys.argv[1], 9))")
-    subprocess.run([tb._tool("ip"), "netns", "exec", t.host_ns(0), sys.executable, "-c", code, t.host_addr(1)],
-                   check=True, timeout=50)
-    c = tb.counters(t)[0]
-    assert 19_990 <= c.tx_packets + c.drops <= 20_010  # the datagrams (and an ARP exchange or so)
-    assert 0.04 < c.drops / (c.tx_packets + c.drops) < 0.06
+    before = tb.counters(t, 1)[0]
+    with tb.host_socket(t, 0) as s:
+        for _ in range(20_000):
+            s.sendto(bytes(200), (t.host_addr(1), 9))
+    c = _drained(t, 0, before, 20_000)
+    sent, dropped = c.tx_packets - before.tx_packets, c.drops - before.drops
+    assert sent + dropped == 20_000
+    assert 0.04 < dropped / 20_000 < 0.06
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_a_burst_sent_right_after_up_arrives_whole(prefix, hosts):
+    """The readiness contract of `up`: every host has a permanent neighbour entry for every other
+    host, and a burst of 3,000 UDP datagrams sent the moment `up` returns, from the last host to
+    the first, arrives complete. Without the entries the burst waits on ARP, and all but the
+    first ``unres_qlen`` datagrams are dropped silently."""
+    t, _ = tb.up(hosts, Shaping(1e9), prefix=prefix)
+    with tb.host_socket(t, 0) as rx, tb.host_socket(t, hosts - 1) as tx:
+        rx.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)  # root: room for the whole burst
+        rx.bind((t.host_addr(0), 5300))
+        for k in range(3_000):
+            tx.sendto(k.to_bytes(4, "big") + bytes(196), (t.host_addr(0), 5300))
+        rx.settimeout(5)
+        got = set()
+        with contextlib.suppress(TimeoutError):
+            while len(got) < 3_000:
+                got.add(int.from_bytes(rx.recv(256)[:4], "big"))
+    assert len(got) == 3_000, f"{3_000 - len(got)} of 3000 datagrams lost"
+    for i in range(hosts):
+        neigh = json.loads(subprocess.run([tb._tool("ip"), "-n", t.host_ns(i), "-j", "neigh", "show"],
+                                          capture_output=True, text=True, check=True).stdout)
+        entries = {n["dst"]: (n["lladdr"], n["state"]) for n in neigh}
+        assert entries == {t.host_addr(j): (t.host_mac(j), ["PERMANENT"]) for j in range(hosts) if j != i}
 
 
 # ------------------------------------------------------------------------------ training in the testbed

@@ -218,7 +218,8 @@ corpus = ["{tmp_path / 'missing.txt'}", "{corpus}"]
     assert any((out / "logs" / "stale").glob(bad["name"] + ".*"))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
 def test_gloo_cell_is_launched_by_the_runner(tmp_path, corpus):
     # `gradzip train --backend gloo --workers 2` (run by the sweep) starts the two local processes.
     spec = write_spec(tmp_path / "g.toml", f"""

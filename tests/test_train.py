@@ -115,26 +115,39 @@ def test_lamb_trust_ratio_hand_computed():
     assert opt.last_trust_ratios == [1.0, 1.0]
 
 
-def test_lamb_minimises_least_squares_and_state_round_trips():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("seed", range(4))
+def test_lamb_minimises_least_squares_and_state_round_trips(seed):
+    """Robust properties only: with a constant LR, LAMB oscillates on this problem (its loss at a
+    given step differs between CPUs), so the LR decays linearly to zero, as in real training, and
+    the test asserts an envelope (every loss of the last 50 steps far below the start) and a final
+    loss with a margin of about 100x over what every seed tried reaches."""
+    torch.manual_seed(seed)
     A, W_true = torch.randn(32, 8), torch.randn(8, 4)
     B = A @ W_true
     W = torch.nn.Parameter(0.5 * torch.randn(8, 4))
     opt = Lamb([W], lr=0.05)
+    steps = 300
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / steps)
 
     def loss() -> torch.Tensor:
         return ((A @ W - B) ** 2).mean()
 
     first = float(loss().detach())
-    for _ in range(300):
+    history = []
+    for _ in range(steps):
         opt.zero_grad()
-        loss().backward()
+        value = loss()
+        value.backward()
         opt.step()
-    assert float(loss().detach()) < first / 500
+        sched.step()
+        history.append(float(value.detach()))
+    assert max(history[-50:]) < first / 1e3
+    assert float(loss().detach()) < first / 1e4
     sd = opt.state_dict()
     opt2 = Lamb([torch.nn.Parameter(W.detach().clone())], lr=0.05)
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg_sq"], sd["state"][0]["exp_avg_sq"])
 
 
 def test_weight_decay_groups_skip_biases_and_layernorm():
@@ -310,6 +323,7 @@ def test_truncated_or_foreign_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert listing(run) == {**before, ckpt.name: ckpt.read_bytes()}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_two_process_gloo_run_matches_sim(tmp_path):
     args = [*TINY, "--steps", "2", "--checkpoint-every", "0"]

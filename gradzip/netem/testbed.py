@@ -25,6 +25,13 @@ overrides the directory), so ``status`` and ``down`` work from any process. ``do
 namespaces that follow the naming scheme but have no state (an earlier process killed with -9).
 A lock file serialises ``up``/``down``/``reshape`` of one prefix.
 
+Readiness: every host has a permanent neighbour entry (IP -> MAC) for every other host, so no
+packet ever waits on ARP (a datagram sent to an unresolved neighbour is queued, up to
+``unres_qlen`` packets, and the rest are dropped without an error to ``sendto``; an ARP reply lost
+to the emulated loss left a whole burst undelivered), and :func:`up` returns only after a probe
+datagram has crossed every ordered pair of hosts. The MAC addresses are fixed by the host index
+(:meth:`Testbed.host_mac`).
+
 Failure safety: :func:`up` builds inside ``try``; any exception, Ctrl-C or SIGTERM deletes every
 namespace it created (which removes their links and qdiscs) before re-raising.
 """
@@ -32,12 +39,15 @@ namespace it created (which removes their links and qdiscs) before re-raising.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import json
 import os
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -56,6 +66,8 @@ DEFAULT_SUBNET = "198.18.0.0/24"
 HOST_IF = "eth0"
 BRIDGE_IF = "br0"
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+CLONE_NEWNET = 0x40000000
+PROBE_TIMEOUT_S = 10.0  # how long `up` waits for a probe to cross every pair of hosts
 # Test hook: a build step at which to fail ("raise:<step>") or to send ourselves SIGTERM or SIGINT
 # ("sigterm:<step>", "sigint:<step>"); steps are "bridge", "host:<i>", "shape:<i>". Unset in normal use.
 FAIL_ENV = "GRADZIP_NETEM_FAIL_AT"
@@ -111,6 +123,11 @@ class Testbed:
 
     def host_addr(self, i: int) -> str:
         return str(ipaddress.ip_network(self.subnet)[i + 1])
+
+    def host_mac(self, i: int) -> str:
+        """The MAC of host ``i``'s eth0: locally administered (02:...), fixed by the index, so that
+        every host's neighbour table can be filled before any packet is sent."""
+        return f"02:67:7a:00:{i >> 8:02x}:{i & 0xFF:02x}"
 
     @property
     def prefixlen(self) -> int:
@@ -196,10 +213,10 @@ def validate_subnet(subnet: str, hosts: int) -> str:
 
 
 # ------------------------------------------------------------------------------ commands
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _run(*argv: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     tool = _tool(argv[0])
     try:
-        p = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=30)
+        p = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=30, input=stdin)
     except subprocess.TimeoutExpired:
         raise NetemError(f"`{' '.join(argv)}` did not finish within 30 s") from None
     if check and p.returncode != 0:
@@ -373,6 +390,87 @@ def _shape(ns: str, shaping: Shaping, method: str) -> None:
          "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:5")
 
 
+# ------------------------------------------------------------------------------ readiness
+def _fill_neighbours(tb: Testbed) -> None:
+    """A permanent neighbour entry on every host for every other host (one ``ip -batch`` per host):
+    no ARP request is ever sent, so none can be lost and no first packet waits on resolution."""
+    for i in range(tb.hosts):
+        lines = [f"neigh replace {tb.host_addr(j)} lladdr {tb.host_mac(j)} dev {HOST_IF} nud permanent"
+                 for j in range(tb.hosts) if j != i]
+        if lines:
+            _run("ip", "-n", tb.host_ns(i), "-batch", "-", stdin="\n".join(lines) + "\n")
+
+
+def _socket_in(ns: str) -> socket.socket:
+    """A UDP socket created inside network namespace ``ns``. A socket keeps the namespace it was
+    created in, so a short-lived thread enters the namespace (setns affects only the calling
+    thread) and hands the socket back; this process's own namespace is never changed."""
+    out: list[socket.socket | BaseException] = []
+
+    def make() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            finally:
+                os.close(fd)
+            out.append(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            out.append(e)
+
+    t = threading.Thread(target=make, name=f"netns-{ns}")
+    t.start()
+    t.join()
+    if isinstance(out[0], BaseException):
+        raise NetemError(f"cannot open a socket in namespace {ns}: {out[0]}")
+    return out[0]
+
+
+def host_socket(tb: Testbed, i: int) -> socket.socket:
+    """A UDP socket inside host ``i``'s namespace, unbound (for users' own probes and tests)."""
+    if not 0 <= i < tb.hosts:
+        raise GradzipError(f"host {i} is not in testbed {tb.prefix!r} (hosts 0..{tb.hosts - 1})")
+    return _socket_in(tb.host_ns(i))
+
+
+def wait_until_ready(tb: Testbed, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Return once a UDP probe has crossed every ordered pair of hosts (i -> j for all i != j);
+    probes are re-sent every 20 ms to the pairs still missing, so emulated loss only delays this.
+    Raises NetemError naming the pairs that carried nothing within ``timeout_s``."""
+    if tb.hosts < 2:
+        return
+    socks = [host_socket(tb, i) for i in range(tb.hosts)]
+    try:
+        for i, s in enumerate(socks):
+            s.bind((tb.host_addr(i), 0))
+            s.setblocking(False)
+        ports = [s.getsockname()[1] for s in socks]
+        index = {(tb.host_addr(i), ports[i]): i for i in range(tb.hosts)}
+        missing = {(i, j) for i in range(tb.hosts) for j in range(tb.hosts) if i != j}
+        deadline = time.monotonic() + timeout_s
+        while missing and time.monotonic() < deadline:
+            for i, j in missing:
+                with contextlib.suppress(BlockingIOError):  # a full socket buffer: the next round re-sends
+                    socks[i].sendto(b"gradzip-probe", (tb.host_addr(j), ports[j]))
+            ready, _, _ = select.select(socks, [], [], 0.02)
+            for s in ready:
+                j = socks.index(s)
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        _, src = s.recvfrom(64)
+                        if src in index:
+                            missing.discard((index[src], j))
+    finally:
+        for s in socks:
+            s.close()
+    if missing:
+        pairs = ", ".join(f"h{i}->h{j}" for i, j in sorted(missing)[:6]) + (" ..." if len(missing) > 6 else "")
+        raise NetemError(f"testbed {tb.prefix!r}: no probe crossed {pairs} within {timeout_s:g} s "
+                         f"(shaping {tb.shaping.describe()}); see `ip -n {tb.prefix}-h0 neigh` and `tc -s qdisc`")
+
+
 # ------------------------------------------------------------------------------ up / down
 def up(
     hosts: int,
@@ -433,8 +531,8 @@ def _build(tb: Testbed) -> Testbed:
                 ns, port = tb.host_ns(i), f"h{i}"
                 _run("ip", "netns", "add", ns)
                 created.append(ns)
-                _run("ip", "link", "add", HOST_IF, "netns", ns, "mtu", str(tb.mtu), "type", "veth",
-                     "peer", "name", port, "netns", br, "mtu", str(tb.mtu))
+                _run("ip", "link", "add", HOST_IF, "netns", ns, "address", tb.host_mac(i), "mtu", str(tb.mtu),
+                     "type", "veth", "peer", "name", port, "netns", br, "mtu", str(tb.mtu))
                 # No IPv6 link-local address: no router/neighbour solicitations in the counters.
                 _run("ip", "-n", ns, "link", "set", HOST_IF, "addrgenmode", "none")
                 _run("ip", "-n", br, "link", "set", port, "addrgenmode", "none")
@@ -446,6 +544,9 @@ def _build(tb: Testbed) -> Testbed:
                 _hook(f"host:{i}")
                 _shape(ns, tb.shaping, tb.loss_method)
                 _hook(f"shape:{i}")
+            _fill_neighbours(tb)
+            _hook("neigh")
+            wait_until_ready(tb)
             _save(tb)
             ok = True
             return tb
@@ -474,6 +575,7 @@ def _reshape_locked(tb: Testbed, shaping: Shaping) -> Testbed:
     for i in range(tb.hosts):
         _shape(tb.host_ns(i), shaping, method)
     tb = Testbed(tb.prefix, tb.hosts, shaping, tb.subnet, tb.mtu, method, tb.created)
+    wait_until_ready(tb)
     _save(tb)
     return tb
 
@@ -491,12 +593,6 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
     if left:
         raise NetemError(f"could not remove namespaces {', '.join(left)} (processes still inside? see `ip netns pids`)")
     return names
-
-
-def list_prefixes() -> list[str]:
-    """Prefixes with a recorded testbed."""
-    d = state_dir()
-    return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
 
 
 # ------------------------------------------------------------------------------ counters
