@@ -13,17 +13,19 @@ import importlib
 import sys
 import warnings
 
+from gradzip import __version__
 from gradzip.errors import CommError, GradzipError
+from gradzip.subcommands import add_subcommands
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("gradzip.experiments.train_cli", "pretrain BERT under a compressor and backend"),
+    "train": ("gradzip.training.cli", "pretrain BERT under a compressor and backend"),
     "sweep": ("gradzip.experiments.sweep", "run every cell of an experiment spec (TOML)"),
     "run": ("gradzip.experiments.run_cli", "run a spec that ships with gradzip (--list to list them)"),
     "plot": ("gradzip.plots.cli", "draw figures and the results table of a run or sweep"),
     "bench": ("gradzip.bench.cli", "benchmarks: compress, engine, train"),
     "ls": ("gradzip.compress.ls_cli", "list the registered compressors"),
-    "simulate": ("gradzip.netem.simulate", "predict step time of a large cluster (cost model)"),
+    "simulate": ("gradzip.cluster.simulate", "predict step time of a large cluster (cost model)"),
     "netem": ("gradzip.netem.cli", "emulated hosts with shaped links (namespaces + tc)"),
     "env": ("gradzip.env", "print versions and available backends (for bug reports)"),
 }
@@ -38,26 +40,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gradzip import __version__
-
     parser = _Parser(prog="gradzip", description="Communication-efficient distributed training.")
     parser.add_argument("--version", action="version", version=f"gradzip {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     add_subcommands(sub, COMMANDS, "_module")
     return parser
-
-
-def add_subcommands(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]], attr: str) -> None:
-    """One sub-parser per ``name -> (module, help)``; the module's ``add_arguments`` fills it and
-    ``args.<attr>`` names the module to run. Sub-commands whose module is missing still show in --help."""
-    for name, (module, help_) in table.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(**{attr: module})
-        try:
-            importlib.import_module(module).add_arguments(p)
-        except ModuleNotFoundError as e:
-            if not (e.name or "").startswith("gradzip"):
-                raise
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> str:

@@ -16,6 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from gradzip import __version__
+
 
 def _version(dist: str) -> str:
     """An installed distribution's version, from its metadata (no import: fast)."""
@@ -85,10 +90,6 @@ def _cpu() -> str:
 
 def collect() -> dict[str, str]:
     """Every line of the report, in order."""
-    import torch
-
-    from gradzip import __version__
-
     info: dict[str, str] = {
         "gradzip": __version__,
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -107,8 +108,6 @@ def collect() -> dict[str, str]:
     info["tokenizers"] = _version("tokenizers")
     info["numpy"] = _version("numpy")
     info["matplotlib"] = _version("matplotlib")
-
-    import torch.distributed as dist
 
     backends = ["sim"]
     if dist.is_available() and dist.is_gloo_available():

@@ -70,7 +70,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     """Exclusive inter-process lock on the lock file ``path`` (created with its directory).
     Without POSIX ``fcntl`` it does nothing: callers' writes stay atomic, work may be duplicated."""
-    try:
+    try:  # POSIX only
         import fcntl
     except ImportError:
         yield

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from gradzip.cluster.buckets import MiB
+from gradzip.cluster.schedule import BucketTiming, model_step
 from gradzip.comm import cost
 from gradzip.comm.sim import SimWorld
 from gradzip.compress import create, registry
 from gradzip.engine import StepStats, attach
-from gradzip.engine.buckets import MiB
-from gradzip.engine.clock import BucketTiming, model_step
 from gradzip.engine.handshake import check_agreement, fingerprint
 from gradzip.errors import GradzipError
 

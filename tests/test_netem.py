@@ -29,10 +29,10 @@ def _skip_reason() -> str | None:
     except tb.NetemError as e:
         return str(e)
     probe = f"gzchk{os.getpid()}"
-    p = subprocess.run([tb._tool("ip"), "netns", "add", probe], capture_output=True, text=True)
+    p = subprocess.run([tb.tool("ip"), "netns", "add", probe], capture_output=True, text=True)
     if p.returncode != 0:
         return f"`ip netns add` does not work here: {p.stderr.strip()}"
-    subprocess.run([tb._tool("ip"), "netns", "del", probe], capture_output=True)
+    subprocess.run([tb.tool("ip"), "netns", "del", probe], capture_output=True)
     return None
 
 
@@ -52,17 +52,17 @@ def prefix(tmp_path, monkeypatch):
     name = f"t{os.getpid() % 100000}{int(time.time() * 1000) % 1000}"
     monkeypatch.setenv("GRADZIP_NETEM_STATE_DIR", str(tmp_path / "state"))
     yield name
-    for ns in tb._owned(name, tb.list_namespaces()):
-        subprocess.run([tb._tool("ip"), "netns", "del", ns], capture_output=True)
+    for ns in tb.owned_namespaces(name, tb.list_namespaces()):
+        subprocess.run([tb.tool("ip"), "netns", "del", ns], capture_output=True)
 
 
 def ours(prefix: str) -> list[str]:
-    return sorted(tb._owned(prefix, tb.list_namespaces()))
+    return sorted(tb.owned_namespaces(prefix, tb.list_namespaces()))
 
 
 def root_links() -> list[str]:
     """Interface names in the root namespace (the testbed must never add any)."""
-    out = subprocess.run([tb._tool("ip"), "-j", "link", "show"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([tb.tool("ip"), "-j", "link", "show"], capture_output=True, text=True, check=True).stdout
     return sorted(d["ifname"] for d in json.loads(out))
 
 
@@ -94,14 +94,14 @@ def test_up_status_reshape_down_idempotent(prefix):
     t, what = tb.up(3, Shaping(100e6), prefix=prefix)
     assert what == "created"
     assert ours(prefix) == sorted([f"{prefix}-br", f"{prefix}-h0", f"{prefix}-h1", f"{prefix}-h2"])
-    addr = subprocess.run([tb._tool("ip"), "-n", f"{prefix}-h2", "-j", "addr", "show", "dev", "eth0"],
+    addr = subprocess.run([tb.tool("ip"), "-n", f"{prefix}-h2", "-j", "addr", "show", "dev", "eth0"],
                           capture_output=True, text=True, check=True).stdout
     assert json.loads(addr)[0]["addr_info"][0]["local"] == "198.18.0.3" == t.host_addr(2)
     # same parameters: nothing changes
     assert tb.up(3, Shaping(100e6), prefix=prefix)[1] == "unchanged"
     # new shaping: reshaped in place, and tc shows the new rate
     assert tb.up(3, Shaping(40e6, loss_pct=1.0), prefix=prefix)[1] == "reshaped"
-    cls = subprocess.run([tb._tool("tc"), "-n", f"{prefix}-h1", "class", "show", "dev", "eth0"],
+    cls = subprocess.run([tb.tool("tc"), "-n", f"{prefix}-h1", "class", "show", "dev", "eth0"],
                          capture_output=True, text=True, check=True).stdout
     assert "class htb 1:1 root rate 40Mbit ceil 40Mbit" in cls and "class htb 1:20" in cls  # 1:20: loss
     # another host count: a clear error, nothing touched
@@ -183,7 +183,7 @@ def test_shaped_link_throughput_matches_the_rate_in_both_directions_at_once(pref
     the data of the other)."""
     rate = 50e6
     t, _ = tb.up(2, Shaping(rate), prefix=prefix)
-    ip = tb._tool("ip")
+    ip = tb.tool("ip")
     nbytes = int(rate / 8 * 2)
     recv = [subprocess.Popen([ip, "netns", "exec", t.host_ns(i), sys.executable, "-c", RECEIVER, t.host_addr(i)],
                              stdout=subprocess.PIPE, text=True) for i in (0, 1)]
@@ -259,7 +259,7 @@ def test_a_burst_sent_right_after_up_arrives_whole(prefix, hosts):
                 got.add(int.from_bytes(rx.recv(256)[:4], "big"))
     assert len(got) == 3_000, f"{3_000 - len(got)} of 3000 datagrams lost"
     for i in range(hosts):
-        neigh = json.loads(subprocess.run([tb._tool("ip"), "-n", t.host_ns(i), "-j", "neigh", "show"],
+        neigh = json.loads(subprocess.run([tb.tool("ip"), "-n", t.host_ns(i), "-j", "neigh", "show"],
                                           capture_output=True, text=True, check=True).stdout)
         entries = {n["dst"]: (n["lladdr"], n["state"]) for n in neigh}
         assert entries == {t.host_addr(j): (t.host_mac(j), ["PERMANENT"]) for j in range(hosts) if j != i}
@@ -277,7 +277,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def test_netem_spelling():
-    from gradzip.netem.run import parse_netem
+    from gradzip.netem.spec import parse_netem
 
     s = parse_netem("4:100mbit:0.5ms:0.1%")
     assert (s.hosts, s.shaping) == (4, Shaping(100e6, 0.5e-3, 0.1))
@@ -290,7 +290,8 @@ def test_netem_spelling():
 @needs_netns
 @pytest.mark.timeout(60)
 def test_testbed_for_a_run_is_removed_afterwards_even_on_failure(prefix):
-    from gradzip.netem.run import parse_netem, testbed_for
+    from gradzip.netem.spec import parse_netem
+    from gradzip.training.launch import testbed_for
 
     with pytest.raises(RuntimeError, match="boom"):
         with testbed_for(parse_netem("2:100mbit"), prefix) as (t, how):
@@ -326,7 +327,7 @@ def test_two_host_training_on_a_shaped_link(prefix, corpus, tmp_path, monkeypatc
 
 
 def test_sweep_cells_with_a_real_backend_and_a_bandwidth_run_in_the_testbed():
-    from gradzip.netem.run import netem_for_cell
+    from gradzip.experiments.spec import netem_for_cell
 
     assert netem_for_cell({"backend": "gloo", "workers": 3, "bandwidth": "50mbit"})["netem"] == "3:50mbit"
     assert netem_for_cell({"backend": "mpi", "bandwidth": "1gbit"})["netem"] == "4:1gbit"  # default workers
@@ -342,7 +343,7 @@ def test_mpi_ranks_run_one_per_host_over_the_testbed(prefix):
     checked against sim) passes on 2 ranks in 2 namespaces, and its traffic crosses the shaped links."""
     pytest.importorskip("mpi4py")
     from gradzip.comm.launch import find_mpirun
-    from gradzip.netem.run import spawn_mpi
+    from gradzip.training.launch import spawn_mpi
 
     try:
         find_mpirun()

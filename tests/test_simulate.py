@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gradzip.cli import main
+from gradzip.cluster import simulate as sim
 from gradzip.compress.registry import create, registry
 from gradzip.models import bert_config, num_parameters
-from gradzip.netem import simulate as sim
 
 TINY = num_parameters(bert_config("bert-tiny"))  # 1,552,898 parameters, one 25 MiB bucket with `none`
 

@@ -15,11 +15,11 @@ import torch
 
 from gradzip.cli import build_parser, main
 from gradzip.errors import GradzipError
-from gradzip.experiments import checkpoint
-from gradzip.experiments.config import TrainConfig, load_toml, write_toml
-from gradzip.experiments.metrics import read_metrics, truncate_metrics
-from gradzip.experiments.optim import Lamb, WarmupDecay, build_optimizer, param_groups, trust_ratio
-from gradzip.experiments.train_cli import config_from_args
+from gradzip.training import checkpoint
+from gradzip.training.cli import config_from_args
+from gradzip.training.config import TrainConfig, load_toml, write_toml
+from gradzip.training.metrics import read_metrics, truncate_metrics
+from gradzip.training.optim import Lamb, WarmupDecay, build_optimizer, param_groups, trust_ratio
 
 # Tiny settings shared by the training tests: bert-tiny (its default vocabulary, so that every test
 # shares one cached tokenizer and example set of the default corpus) on short sequences.

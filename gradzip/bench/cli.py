@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from gradzip.subcommands import add_subcommands
+
 BENCHMARKS = {
     "compress": ("gradzip.bench.compress", "compress+decompress time of every compressor vs memcpy"),
     "engine": ("gradzip.bench.engine", "engine overhead and overlap vs torch DDP (multi-process Gloo)"),
@@ -14,8 +16,6 @@ BENCHMARKS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from gradzip.cli import add_subcommands
-
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
     add_subcommands(sub, BENCHMARKS, "_bench_module")
 

@@ -41,10 +41,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradzip.comm import cost
+from gradzip.comm import SimWorld, cost, init_communicator, spawn_local
 from gradzip.comm.base import Communicator, Handle, ReduceOp, nbytes
+from gradzip.engine import attach
 from gradzip.errors import GradzipError
+from gradzip.models import bert_config
+from gradzip.models.bert import BertForPreTraining
 
 TARGETS = {"overhead": 1.05, "powersgd": 1.0, "overlap": 1.15}
 
@@ -67,9 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------ model and batch
 def build_model(name: str, seq: int) -> torch.nn.Module:
-    from gradzip.models import bert_config
-    from gradzip.models.bert import BertForPreTraining
-
     full = name if name.startswith("bert-") else f"bert-{name}"
     cfg = bert_config(full, max_position_embeddings=max(seq, 128), hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0)
@@ -137,13 +140,6 @@ def allreduce_seconds_per_step(engine: Any, n: int, link: cost.Link) -> float:
 
 # ------------------------------------------------------------------ one rank
 def _rank_main(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from gradzip.comm import init_communicator
-    from gradzip.engine import attach
-
     torch.set_num_threads(1)
     comm = init_communicator("gloo", timeout=900.0)
     rank, n = comm.rank, comm.world_size
@@ -230,9 +226,6 @@ def _rank_main(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ sim overlap (this process)
 def sim_overlap(args: argparse.Namespace, ratio: float) -> dict[str, Any]:
-    from gradzip.comm import SimWorld
-    from gradzip.engine import attach
-
     torch.set_num_threads(1)
     model = build_model(args.model, args.seq)
     batches = [make_batch(model, args.batch, args.seq, seed=w) for w in range(args.workers)]
@@ -269,8 +262,6 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 2 or args.steps < 1 or args.rounds < 1:
         raise GradzipError(f"--workers must be >= 2 and --steps/--rounds >= 1 (got {args.workers}, {args.steps}, "
                            f"{args.rounds})")
-    from gradzip.comm import spawn_local
-
     build_model(args.model, args.seq)  # a bad --model fails here, before any process starts
     with tempfile.TemporaryDirectory(prefix="gradzip-bench-engine-") as tmp:
         argv = ["bench", "engine", "--_worker", tmp, "--model", args.model, "--steps", str(args.steps),

@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 from gradzip.errors import GradzipError
+from gradzip.training.config import TrainConfig
+from gradzip.training.loop import train
+from gradzip.training.metrics import read_metrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,10 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(out: Path, **kw: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    from gradzip.experiments.config import TrainConfig
-    from gradzip.experiments.metrics import read_metrics
-    from gradzip.experiments.train import train
-
     cfg = TrainConfig.from_dict({"backend": "sim", "workers": 1, "compressor": "none", "checkpoint_every": 0,
                                  "progress": False, "out": str(out), **kw})
     summary = train(cfg)

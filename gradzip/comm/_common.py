@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gradzip.comm.base import Handle
+from gradzip.errors import CommError
 
 if TYPE_CHECKING:
     from gradzip.comm.base import Communicator
@@ -58,8 +59,6 @@ def decode_headers(headers: Tensor, op: str, rank: int) -> tuple[torch.dtype, li
 
 
 def raise_mismatch(op: str, rank: int, what: str, per_rank: list[Any]) -> None:
-    from gradzip.errors import CommError
-
     detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(per_rank))
     raise CommError(f"{op} on rank {rank}: ranks disagree on {what} ({detail}); every rank must issue the same "
                     "collectives in the same order")

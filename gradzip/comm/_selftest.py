@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 
 from gradzip.comm.base import Communicator
+from gradzip.comm.launch import init_communicator
+from gradzip.comm.sim import SimWorld
 from gradzip.errors import CommError
 
 FLOAT_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12),
@@ -96,8 +98,6 @@ def run_battery(comm: Communicator) -> dict[str, Tensor]:
 
 def sim_reference(n: int) -> list[dict[str, Tensor]]:
     """The battery on an n-worker threaded ``SimWorld``: the expected results of every rank."""
-    from gradzip.comm.sim import SimWorld
-
     world = SimWorld(n, threaded=True, timeout=60)
     res: list[Any] = [None] * n
 
@@ -175,8 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-timeout", type=float, default=5.0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from gradzip.comm.launch import init_communicator
-
     comm = init_communicator(args.backend, timeout=args.timeout)
     results = run_battery(comm)
     status = 0

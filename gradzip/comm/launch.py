@@ -30,12 +30,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from gradzip.comm.base import DEFAULT_TIMEOUT_S, Communicator
+from gradzip.comm.mpi_backend import MPICommunicator
+from gradzip.comm.torch_backend import TorchCommunicator
 from gradzip.errors import GradzipError
 
 BACKENDS = ("gloo", "nccl", "torch", "mpi")
@@ -176,8 +181,6 @@ def init_communicator(backend: str, timeout: float = DEFAULT_TIMEOUT_S) -> Commu
         raise GradzipError(f"timeout must be > 0 seconds, got {timeout}")
     env = detect_launcher_env()
     if b == "mpi":
-        from gradzip.comm.mpi_backend import MPICommunicator
-
         comm = MPICommunicator(timeout=timeout)
         if env.external and env.world_size != comm.world_size:
             comm.close()
@@ -185,10 +188,6 @@ def init_communicator(backend: str, timeout: float = DEFAULT_TIMEOUT_S) -> Commu
                                f"{comm.world_size} rank(s): start with `mpirun -n {env.world_size} ...` "
                                "(or use --backend gloo)")
         return comm
-    import torch
-
-    from gradzip.comm.torch_backend import TorchCommunicator
-
     if b == "torch":
         b = "nccl" if torch.cuda.is_available() else "gloo"
     addr, port = env.master_addr, env.master_port
@@ -287,7 +286,7 @@ def spawn_local(backend: str, workers: int, argv: Sequence[str], env_extra: Mapp
     except BaseException:
         _terminate(procs)
         raise
-    return _supervise(procs, [f"rank {r}" for r in range(workers)], timeout, grace)
+    return supervise(procs, [f"rank {r}" for r in range(workers)], timeout, grace)
 
 
 def _port_for(addr: str) -> int:
@@ -344,14 +343,14 @@ def _spawn_mpi(workers: int, argv: Sequence[str], env: dict[str, str], extra: Ma
                         "echo \"gradzip: no prefix for this rank\" >&2; exit 1\n")
             program = ["/bin/sh", wrapper, *program]
         proc = subprocess.Popen(cmd + program, env=env, start_new_session=True)
-        return _supervise([proc], ["mpirun"], timeout, grace)
+        return supervise([proc], ["mpirun"], timeout, grace)
 
 
 def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc  # killed by signal s -> 128 + s, as a shell reports it
 
 
-def _supervise(procs: list[subprocess.Popen], names: list[str], timeout: float | None, grace: float) -> int:
+def supervise(procs: list[subprocess.Popen], names: list[str], timeout: float | None, grace: float) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
     first: tuple[str, int] | None = None
     stop_at: float | None = None
@@ -394,8 +393,6 @@ def _supervise(procs: list[subprocess.Popen], names: list[str], timeout: float |
 
 
 def _main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 

@@ -36,9 +36,12 @@ is named as lost.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import math
 import os
 import re
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -448,10 +451,6 @@ def _bind_gloo_to_addr() -> None:
 
 
 def _interface_of(addr: str) -> str | None:
-    import fcntl
-    import socket
-    import struct
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         for _, name in socket.if_nameindex():

@@ -23,7 +23,9 @@ import typing
 import warnings
 from typing import Any
 
+import gradzip.compress as pkg
 from gradzip.compress.base import Compressor
+from gradzip.compress.ef import ErrorFeedback
 from gradzip.errors import SpecError
 
 _REGISTRY: dict[str, type[Compressor]] = {}
@@ -53,8 +55,6 @@ def _load_all() -> None:
     global _LOADED
     if _LOADED:
         return
-    import gradzip.compress as pkg
-
     for mod in pkgutil.iter_modules(pkg.__path__):
         if mod.name not in _NOT_COMPRESSORS and not mod.name.startswith("_"):
             importlib.import_module(f"gradzip.compress.{mod.name}")
@@ -141,8 +141,6 @@ def create(spec: str | Compressor) -> Compressor:
         _WARNED.add((name, caveat))  # once per process: specs are parsed again per worker and rank
         warnings.warn(f"{name}: {caveat}", stacklevel=2)
     if ef:
-        from gradzip.compress.ef import ErrorFeedback
-
         return ErrorFeedback(comp)
     return comp
 

@@ -37,6 +37,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from gradzip.data import harvest
 from gradzip.errors import GradzipError
 from gradzip.io import file_lock
 
@@ -259,8 +262,6 @@ def corpus_files(root: Path) -> list[Path]:
 
 
 def _file_documents(files: list[Path], single: bool, progress: bool) -> Iterator[list[str]]:
-    from tqdm import tqdm
-
     for path in tqdm(files, desc="reading corpus", unit="file", disable=not progress or len(files) < 2):
         if path.stat().st_size == 0:
             if single:
@@ -334,8 +335,6 @@ def _load_hf(spec: str, root: Path, progress: bool) -> Corpus:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GradzipError(f"cannot load dataset {name!r} (config {config!r}, split {split!r}): {first[:200]}; "
                                f"check the name and the network, or use a local corpus") from None
-        from tqdm import tqdm
-
         records = tqdm(ds, desc=f"reading {name}", unit="rec", disable=not progress_enabled(progress))
         with staging(final) as tmp:
             return _finish(write_corpus(tmp, _hf_documents(name, config, split, records), spec,
@@ -375,8 +374,6 @@ def load_corpus(spec: str | os.PathLike | None = None, cache_dir: str | os.PathL
 
 def default_corpus(root: Path, progress: bool = True) -> Corpus:
     """The default corpus (see :mod:`gradzip.data.harvest`), harvested once per environment."""
-    from gradzip.data import harvest
-
     key = harvest.environment_key()
     final = root / "corpora" / f"default-{key[:12]}"
     with locked(root / "locks" / f"{final.name}.lock"):

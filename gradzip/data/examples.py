@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from gradzip.data.corpus import Corpus, locked, staging
 from gradzip.data.tokenizer import WordPieceTokenizer
@@ -99,8 +100,6 @@ def tokenize_corpus(corpus: Corpus, tok: WordPieceTokenizer, progress: bool = Tr
 
 
 def _tokenize_into(directory: Path, corpus: Corpus, tok: WordPieceTokenizer, dtype: np.dtype, progress: bool) -> None:
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     sent_lengths: list[np.ndarray] = []
     doc_sizes: list[int] = []  # non-empty sentences per document
@@ -206,8 +205,6 @@ class _Writer:
 def segment(tc: TokenizedCorpus, tok: WordPieceTokenizer, seq_len: int, seed: int, eval_fraction: float,
             directory: Path, progress: bool = True) -> dict:
     """Write the train and eval example sets into ``directory``; returns their sizes."""
-    from tqdm import tqdm
-
     n_docs = tc.num_docs
     if n_docs < 2:
         raise GradzipError(f"the corpus has {n_docs} document(s); next-sentence prediction needs at least 2 "

@@ -42,6 +42,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from tqdm import tqdm
+
 HARVEST_VERSION = 2
 PACKAGES = ("numpy", "scipy", "matplotlib", "torch", "tokenizers", "tqdm",
             # their runtime dependencies (importable names), for volume: docstrings alone of the
@@ -292,7 +294,7 @@ def clean_docstring(text: str, indented_code: bool = False) -> list[str]:
 
 def pydoc_topics() -> list[str]:
     """The language-reference topics of the ``pydoc`` help system, in sorted order."""
-    try:
+    try:  # some distributions package pydoc_data separately
         from pydoc_data.topics import topics
     except ImportError:
         return []
@@ -314,8 +316,6 @@ def harvest(progress: bool = True) -> Iterator[list[str]]:
     Serial on purpose: a process pool would have to spawn (the caller may hold torch's threads,
     so no fork), and spawning re-runs the caller's ``__main__``, which breaks scripts without a
     main guard, notebooks and stdin. The build is ~30 s of CPU once per environment."""
-    from tqdm import tqdm
-
     files = [f for _, root in source_roots() for f in source_files(root)]
     seen: set[bytes] = set()
 

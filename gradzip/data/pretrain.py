@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gradzip.data.corpus import Corpus, load_corpus
+from gradzip.data.corpus import Corpus, load_corpus, progress_enabled
 from gradzip.data.examples import EVAL_SEED, ExampleSet, build_examples
 from gradzip.data.tokenizer import WordPieceTokenizer, get_tokenizer
 from gradzip.errors import GradzipError
@@ -93,8 +93,6 @@ class PretrainData:
         masks are the same for every seed)."""
         c = load_corpus(corpus, cache_dir=cache_dir, progress=progress)
         tok = get_tokenizer(c, vocab_size=vocab_size, path=tokenizer, progress=progress)
-        from gradzip.data.corpus import progress_enabled
-
         train, eval_, directory = build_examples(c, tok, seq_len=seq_len, seed=seed, eval_fraction=eval_fraction,
                                                  progress=progress_enabled(progress))
         return cls(c, tok, train, eval_, seq_len, seed, directory)

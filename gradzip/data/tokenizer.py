@@ -23,8 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from gradzip.data.corpus import Corpus, locked, progress_enabled
+from gradzip.data.wordpiece import count_words, learn_vocab
 from gradzip.errors import GradzipError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -35,8 +37,6 @@ _LIMIT_ALPHABET = 1000
 
 
 def _bert_pipeline(tok, lowercase: bool) -> None:
-    from tokenizers import decoders, normalizers, pre_tokenizers
-
     tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=lowercase,
                                                 lowercase=lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -52,8 +52,6 @@ class WordPieceTokenizer:
     """
 
     def __init__(self, tokenizer, source: str) -> None:
-        from tokenizers import processors
-
         self.tokenizer = tokenizer
         self.source = source
         ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -94,10 +92,6 @@ class WordPieceTokenizer:
     def train(cls, files: Sequence[str | os.PathLike], vocab_size: int, progress: bool = True) -> WordPieceTokenizer:
         """Learn an uncased WordPiece vocabulary of at most ``vocab_size`` pieces from text files,
         deterministically (:mod:`gradzip.data.wordpiece`)."""
-        from tokenizers import Tokenizer, models
-
-        from gradzip.data.wordpiece import count_words, learn_vocab
-
         vocab = learn_vocab(count_words(files), vocab_size, SPECIAL_TOKENS, min_frequency=_MIN_FREQUENCY,
                             limit_alphabet=_LIMIT_ALPHABET, progress=progress)
         tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]",
@@ -108,8 +102,6 @@ class WordPieceTokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> WordPieceTokenizer:
         """Load a ``tokenizer.json`` or a BERT ``vocab.txt`` (one token per line)."""
-        from tokenizers import Tokenizer, models
-
         p = Path(path).expanduser()
         if not p.is_file():
             raise GradzipError(f"tokenizer file {p} does not exist; give a vocab.txt or tokenizer.json")
@@ -154,6 +146,4 @@ def get_tokenizer(corpus: Corpus, vocab_size: int | None = None, path: str | os.
 
 
 def _load(path: Path):
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(path))

@@ -29,6 +29,8 @@ import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+from tqdm import tqdm
+
 _ASCII_PUNCT = r"!-/:-@\[-`{-~"
 _WORD = re.compile(rf"[^\s{_ASCII_PUNCT}]+|[{_ASCII_PUNCT}]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -61,8 +63,6 @@ def count_words(files: Sequence[str | os.PathLike]) -> Counter:
 def learn_vocab(counts: Counter, vocab_size: int, special_tokens: Sequence[str], min_frequency: int = 2,
                 limit_alphabet: int = 1000, prefix: str = "##", progress: bool = False) -> list[str]:
     """The vocabulary (list index = id) learnt from word counts (see steps 2 and 3)."""
-    from tqdm import tqdm
-
     words = sorted((w, n) for w, n in counts.items() if len(w) <= _MAX_WORD)
     chars: Counter = Counter()
     for w, n in words:

@@ -4,7 +4,7 @@
 >>> engine = attach(model, "topk:ratio=0.01,ef=true", comm)   # doctest: +SKIP
 """
 
-from gradzip.engine.clock import StepStats
 from gradzip.engine.engine import Engine, EngineConfig, attach
+from gradzip.engine.stats import StepStats
 
 __all__ = ["Engine", "EngineConfig", "StepStats", "attach"]

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gradzip.comm.torch_backend import TorchCommunicator
 from gradzip.compress.base import Compressor, unflatten
 from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
@@ -159,8 +160,6 @@ def ddp_hook(spec: str | Compressor, process_group: Any = None, min_compress_num
                            "(or use gradzip.comm.init_communicator)")
     if process_group is not None and process_group is not dist.group.WORLD:
         raise GradzipError("ddp_hook: only the default process group is supported (pass process_group=None)")
-    from gradzip.comm.torch_backend import TorchCommunicator
-
     create(spec)  # a bad spec fails before any collective
     comm = TorchCommunicator() if timeout is None else TorchCommunicator(timeout=timeout)
     state = GradzipHookState(spec, comm, min_compress_numel)

@@ -14,7 +14,7 @@ Per step, on each worker:
 
 1. At start-up (in :func:`attach`), ranks compare a fingerprint of the model and the compressor
    spec, and parameters (and floating-point buffers) are broadcast from rank 0.
-2. Parameters are grouped into buckets (see :mod:`gradzip.engine.buckets`: reverse registration
+2. Parameters are grouped into buckets (see :mod:`gradzip.cluster.buckets`: reverse registration
    order, a cap in MiB, dtype-homogeneous, small tensors apart and exchanged uncompressed).
 3. A hook on every parameter (``register_post_accumulate_grad_hook``) copies its gradient into
    its bucket's flat buffer. When a bucket is full *and* every lower-index bucket has launched,
@@ -35,7 +35,7 @@ the next backward outside ``no_sync()`` (gradient accumulation, as DDP's ``no_sy
 
 Time: real backends report measured times (exposed communication is the time spent in
 ``finalize`` beyond the engine's own encode/decode work); ``sim`` reports the virtual clock of
-:mod:`gradzip.engine.clock`. Tuning: ``bucket_cap_mb`` trades overlap (smaller buckets launch
+:mod:`gradzip.cluster.schedule`. Tuning: ``bucket_cap_mb`` trades overlap (smaller buckets launch
 earlier) against per-collective latency (more messages); 25 MiB is DDP's default.
 ``min_compress_numel`` below ~1000 rarely pays: such tensors are a tiny share of the bytes.
 """
@@ -52,15 +52,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradzip.cluster.buckets import Bucket, MiB, assign_buckets
+from gradzip.cluster.schedule import BucketTiming, mean_timings, model_step
 from gradzip.comm.base import Communicator
 from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import Compressor, unflatten
 from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
-from gradzip.engine.buckets import Bucket, MiB, assign_buckets
-from gradzip.engine.clock import BucketTiming, StepStats, mean_timings, model_step
 from gradzip.engine.exchange import Exchange
 from gradzip.engine.handshake import broadcast_state, check_agreement, fingerprint
+from gradzip.engine.stats import StepStats
 from gradzip.errors import GradzipError
 
 _now = time.perf_counter

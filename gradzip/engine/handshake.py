@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradzip.cluster.buckets import coalesce
 from gradzip.comm.base import Communicator
-from gradzip.engine.buckets import coalesce
 from gradzip.errors import GradzipError
 
 

@@ -53,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError, SpecError
+from gradzip.plots.results import FIGURES
+from gradzip.training.config import TrainConfig
 
 MAX_NAME = 120
 TOP_KEYS = {"name", "description", "base", "grid", "target", "plot"}
@@ -61,6 +63,15 @@ PLOT_KEYS = {"figures", "captions", "title"}
 RUNNER_KEYS = {"out", "resume"}  # set per cell by the runner
 NOT_IN_SPECS = RUNNER_KEYS | {"config"}  # `config` names a file for `gradzip train`; a spec is that file
 TARGET_METRICS = ("loss", "eval_loss")
+
+
+def netem_for_cell(config: dict[str, Any]) -> dict[str, Any]:
+    """Sweep hook: a cell with a real backend (``gloo``, ``mpi``) that sets ``bandwidth`` and no
+    ``netem`` runs in the testbed, ``netem = "<workers>:<bandwidth>"`` (the ``sim`` backend models
+    the bandwidth instead; ``latency`` stays a ``sim`` setting: netem's delay is per packet)."""
+    if config.get("backend") in ("gloo", "mpi") and "bandwidth" in config and not config.get("netem"):
+        return {**config, "netem": f"{config.get('workers', TrainConfig.workers)}:{config['bandwidth']}"}
+    return config
 
 
 @dataclass
@@ -147,16 +158,8 @@ def cell_name_from(axes: list[str], values: list[Any]) -> str:
 
 # -- loading --------------------------------------------------------------------------------
 
-def _train_config_cls():
-    try:
-        from gradzip.experiments.config import TrainConfig
-    except ModuleNotFoundError as e:  # pragma: no cover - only while the train part is missing
-        raise GradzipError("gradzip.experiments.config is not available (the train command is missing)") from e
-    return TrainConfig
-
-
 def _train_keys() -> set[str]:
-    return {f.name for f in dataclasses.fields(_train_config_cls())}
+    return {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def _check_keys(where: str, table: dict[str, Any], allowed: set[str], src: Path) -> None:
@@ -212,7 +215,7 @@ def validate_config(config: dict[str, Any], src: Path, where: str) -> Any:
     """Run ``TrainConfig.from_dict``; its one-line error names the file and the cell."""
     source = f"{src}: {where}"
     try:
-        return _train_config_cls().from_dict(config, source=source)
+        return TrainConfig.from_dict(config, source=source)
     except (GradzipError, TypeError, ValueError) as e:  # the latter two: a validator that forgot to wrap
         msg = str(e)
         raise SpecError(msg if msg.startswith(str(src)) else f"{source}: {msg}") from None
@@ -304,8 +307,6 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
         p = raw["plot"]
         _expect(p, dict, "[plot]", src, "a table")
         _check_keys("[plot]", p, PLOT_KEYS, src)
-        from gradzip.plots.results import FIGURES
-
         if "figures" in p:
             figs = p["figures"]
             _expect(figs, list, "[plot] 'figures'", src, f"a list of figure names ({', '.join(FIGURES)})")
@@ -345,8 +346,6 @@ def expand(spec: Spec) -> list[Cell]:
             params.update({k: x for k, x in v.items() if k != "label"} if isinstance(v, dict) else {axis: v})
         config = {**spec.base, **params}
         # -- netem hook: a real-backend cell with a bandwidth runs in the network testbed --
-        from gradzip.netem.run import netem_for_cell
-
         config = netem_for_cell(config)
         name = cell_name_from(axes, values)
         if name in seen:

@@ -27,7 +27,7 @@ How cells run:
 - by default each cell is a child process, ``python -m gradzip train --config logs/<cell>.toml
   --out <cell>``: a crash (or an out-of-memory kill) of one cell cannot take the sweep down, and for
   ``gloo``/``mpi`` cells ``gradzip train`` itself starts the ``workers`` local processes;
-- ``--in-process`` runs cells by calling :func:`gradzip.experiments.train.train` in this process
+- ``--in-process`` runs cells by calling :func:`gradzip.training.loop.train` in this process
   (less start-up time per cell; a Python exception is still caught and recorded);
 - under an external launcher (``torchrun``, ``mpirun``, ``srun``: the user starts
   ``gradzip sweep`` itself under it), every rank runs every cell in-process, with the world size
@@ -53,9 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradzip.comm.launch import detect_launcher_env
 from gradzip.errors import GradzipError
 from gradzip.experiments.spec import Cell, Spec, load_spec
 from gradzip.io import atomic_write_json
+from gradzip.plots.cli import make_report, print_report
+from gradzip.training.checkpoint import latest_checkpoint
+from gradzip.training.config import TrainConfig, load_toml, write_toml
+from gradzip.training.loop import train
 
 TAIL_CHARS = 20_000  # end of a failed cell's output kept in error.txt
 
@@ -81,8 +86,6 @@ class CellResult:
 # ---------------------------------------------------------------------- launcher environment
 def launcher_rank() -> int | None:
     """This process's rank if torchrun/mpirun/srun started it, else None."""
-    from gradzip.comm.launch import detect_launcher_env
-
     env = detect_launcher_env()
     return env.rank if env.external else None
 
@@ -100,9 +103,6 @@ def cell_state(run_dir: Path, cfg: Any) -> str:
 
     Raises GradzipError if the directory holds a run with other settings than ``cfg``.
     """
-    from gradzip.experiments.checkpoint import latest_checkpoint
-    from gradzip.experiments.config import TrainConfig, load_toml
-
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
         return "fresh"
     saved = run_dir / "config.toml"
@@ -185,16 +185,12 @@ def _run_subprocess(cmd: list[str], log_path: Path, echo: bool) -> tuple[int, st
 
 def run_cell(cell: Cell, sweep_dir: Path, in_process: bool, main: bool = True, echo: bool = True) -> CellResult:
     """Run (or skip, or resume) one cell. Never raises for a failing cell: the result says so."""
-    from gradzip.experiments.config import TrainConfig, write_toml
-
     res = CellResult(cell.name, cell.params)
     run_dir = sweep_dir / cell.name
     t0 = time.monotonic()
     try:
         cfg = TrainConfig.from_dict(cell.config, source=f"cell {cell.name}")
         if in_process and cfg.real_backend:  # under a launcher: the world size is the launcher's
-            from gradzip.comm.launch import detect_launcher_env
-
             cfg = cfg.replace(workers=detect_launcher_env().world_size)
         state = cell_state(run_dir, cfg)
     except GradzipError as e:
@@ -217,8 +213,6 @@ def run_cell(cell: Cell, sweep_dir: Path, in_process: bool, main: bool = True, e
     cfg = cfg.replace(out=str(run_dir), resume=res.resumed)
     if in_process:
         try:
-            from gradzip.experiments.train import train
-
             summary = train(cfg)
             res.status = "done"
             res.final_eval_loss = (summary or {}).get("final_eval_loss")
@@ -362,8 +356,6 @@ def finish(spec: Spec, out: Path, results: list[CellResult], plot: bool = True) 
     print(summary_table(results))
     failed = any(r.status == "failed" for r in results)
     if plot and any(r.status != "failed" for r in results):
-        from gradzip.plots.cli import make_report, print_report
-
         print()
         try:
             print_report(make_report(out))

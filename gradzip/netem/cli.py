@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 
-from gradzip.errors import GradzipError
 from gradzip.netem import testbed
 from gradzip.units import parse_bandwidth, parse_latency
 
@@ -25,18 +24,6 @@ Examples:
   gradzip netem status
   gradzip netem down
 """
-
-
-def parse_loss(text: str | float) -> float:
-    """``"0.5%"`` or ``"0.5"`` -> 0.5 (percent of packets)."""
-    raw = str(text).strip().rstrip("%")
-    try:
-        v = float(raw)
-    except ValueError:
-        raise GradzipError(f"cannot parse loss {text!r}: give a percentage, e.g. 0.1 or 0.1%") from None
-    if not 0 <= v < 100:
-        raise GradzipError(f"loss must be a percentage in [0, 100), got {text!r}")
-    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _shaping(args: argparse.Namespace) -> testbed.Shaping:
-    return testbed.Shaping(parse_bandwidth(args.rate), parse_latency(args.delay), parse_loss(args.loss))
+    return testbed.Shaping(parse_bandwidth(args.rate), parse_latency(args.delay), testbed.parse_loss(args.loss))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,15 +39,12 @@ namespace it created (which removes their links and qdiscs) before re-raising.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import ipaddress
 import json
 import os
 import re
-import select
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -58,7 +55,11 @@ from typing import Any
 
 from gradzip.errors import GradzipError
 from gradzip.io import atomic_write_json, file_lock
-from gradzip.units import format_bandwidth
+from gradzip.netem.readiness import fill_neighbours, host_socket, wait_until_ready
+from gradzip.netem.spec import Shaping, parse_loss
+
+__all__ = ["Shaping", "Testbed", "HostCounters", "NetemError", "parse_loss", "up", "down", "reshape", "status",
+           "counters", "host_socket", "wait_until_ready"]
 
 ALLOWED = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544 benchmarking range
 DEFAULT_PREFIX = "gz"
@@ -66,8 +67,6 @@ DEFAULT_SUBNET = "198.18.0.0/24"
 HOST_IF = "eth0"
 BRIDGE_IF = "br0"
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
-CLONE_NEWNET = 0x40000000
-PROBE_TIMEOUT_S = 10.0  # how long `up` waits for a probe to cross every pair of hosts
 # Test hook: a build step at which to fail ("raise:<step>") or to send ourselves SIGTERM or SIGINT
 # ("sigterm:<step>", "sigint:<step>"); steps are "bridge", "host:<i>", "shape:<i>". Unset in normal use.
 FAIL_ENV = "GRADZIP_NETEM_FAIL_AT"
@@ -75,31 +74,6 @@ FAIL_ENV = "GRADZIP_NETEM_FAIL_AT"
 
 class NetemError(GradzipError):
     """A testbed command failed or the machine cannot host a testbed."""
-
-
-@dataclass(frozen=True)
-class Shaping:
-    """Egress shaping of every host: rate in bits/s, one-way added delay in seconds, loss in %."""
-
-    rate_bps: float
-    delay_s: float = 0.0
-    loss_pct: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.rate_bps > 0:
-            raise GradzipError(f"rate must be positive, got {self.rate_bps} bit/s (e.g. 100mbit)")
-        if self.delay_s < 0 or self.delay_s > 10:
-            raise GradzipError(f"delay must be between 0 and 10 s, got {self.delay_s} s")
-        if not 0 <= self.loss_pct < 100:
-            raise GradzipError(f"loss must be a percentage in [0, 100), got {self.loss_pct}")
-
-    def describe(self) -> str:
-        s = format_bandwidth(self.rate_bps)
-        if self.delay_s:
-            s += f", delay {self.delay_s * 1e3:g} ms"
-        if self.loss_pct:
-            s += f", loss {self.loss_pct:g}%"
-        return s
 
 
 @dataclass
@@ -161,7 +135,7 @@ class HostCounters:
 
 
 # ------------------------------------------------------------------------------ prerequisites
-def _tool(name: str) -> str:
+def tool(name: str) -> str:
     sbin = (f"/usr/sbin/{name}", f"/sbin/{name}")  # not on a non-root user's PATH on some distributions
     path = shutil.which(name) or next((p for p in sbin if os.access(p, os.X_OK)), None)
     if not path:
@@ -189,8 +163,8 @@ def check_privileges() -> None:
             f"gradzip netem needs root (or {' and '.join(missing)}: namespaces, links and tc qdiscs); "
             "run it with sudo"
         )
-    _tool("ip")
-    _tool("tc")
+    tool("ip")
+    tool("tc")
 
 
 def validate_prefix(prefix: str) -> str:
@@ -214,9 +188,9 @@ def validate_subnet(subnet: str, hosts: int) -> str:
 
 # ------------------------------------------------------------------------------ commands
 def _run(*argv: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    tool = _tool(argv[0])
+    path = tool(argv[0])
     try:
-        p = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=30, input=stdin)
+        p = subprocess.run([path, *argv[1:]], capture_output=True, text=True, timeout=30, input=stdin)
     except subprocess.TimeoutExpired:
         raise NetemError(f"`{' '.join(argv)}` did not finish within 30 s") from None
     if check and p.returncode != 0:
@@ -232,7 +206,7 @@ def list_namespaces() -> list[str]:
     return [d["name"] for d in json.loads(p.stdout)]
 
 
-def _owned(prefix: str, names: list[str]) -> list[str]:
+def owned_namespaces(prefix: str, names: list[str]) -> list[str]:
     pat = re.compile(re.escape(prefix) + r"-(br|h\d+)")
     return [n for n in names if pat.fullmatch(n)]
 
@@ -296,7 +270,7 @@ def _signals_raise() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
+def signals_ignored() -> Iterator[None]:
     """Let a rollback finish even if the user presses Ctrl-C again."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -390,87 +364,6 @@ def _shape(ns: str, shaping: Shaping, method: str) -> None:
          "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:5")
 
 
-# ------------------------------------------------------------------------------ readiness
-def _fill_neighbours(tb: Testbed) -> None:
-    """A permanent neighbour entry on every host for every other host (one ``ip -batch`` per host):
-    no ARP request is ever sent, so none can be lost and no first packet waits on resolution."""
-    for i in range(tb.hosts):
-        lines = [f"neigh replace {tb.host_addr(j)} lladdr {tb.host_mac(j)} dev {HOST_IF} nud permanent"
-                 for j in range(tb.hosts) if j != i]
-        if lines:
-            _run("ip", "-n", tb.host_ns(i), "-batch", "-", stdin="\n".join(lines) + "\n")
-
-
-def _socket_in(ns: str) -> socket.socket:
-    """A UDP socket created inside network namespace ``ns``. A socket keeps the namespace it was
-    created in, so a short-lived thread enters the namespace (setns affects only the calling
-    thread) and hands the socket back; this process's own namespace is never changed."""
-    out: list[socket.socket | BaseException] = []
-
-    def make() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-            finally:
-                os.close(fd)
-            out.append(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            out.append(e)
-
-    t = threading.Thread(target=make, name=f"netns-{ns}")
-    t.start()
-    t.join()
-    if isinstance(out[0], BaseException):
-        raise NetemError(f"cannot open a socket in namespace {ns}: {out[0]}")
-    return out[0]
-
-
-def host_socket(tb: Testbed, i: int) -> socket.socket:
-    """A UDP socket inside host ``i``'s namespace, unbound (for users' own probes and tests)."""
-    if not 0 <= i < tb.hosts:
-        raise GradzipError(f"host {i} is not in testbed {tb.prefix!r} (hosts 0..{tb.hosts - 1})")
-    return _socket_in(tb.host_ns(i))
-
-
-def wait_until_ready(tb: Testbed, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Return once a UDP probe has crossed every ordered pair of hosts (i -> j for all i != j);
-    probes are re-sent every 20 ms to the pairs still missing, so emulated loss only delays this.
-    Raises NetemError naming the pairs that carried nothing within ``timeout_s``."""
-    if tb.hosts < 2:
-        return
-    socks = [host_socket(tb, i) for i in range(tb.hosts)]
-    try:
-        for i, s in enumerate(socks):
-            s.bind((tb.host_addr(i), 0))
-            s.setblocking(False)
-        ports = [s.getsockname()[1] for s in socks]
-        index = {(tb.host_addr(i), ports[i]): i for i in range(tb.hosts)}
-        missing = {(i, j) for i in range(tb.hosts) for j in range(tb.hosts) if i != j}
-        deadline = time.monotonic() + timeout_s
-        while missing and time.monotonic() < deadline:
-            for i, j in missing:
-                with contextlib.suppress(BlockingIOError):  # a full socket buffer: the next round re-sends
-                    socks[i].sendto(b"gradzip-probe", (tb.host_addr(j), ports[j]))
-            ready, _, _ = select.select(socks, [], [], 0.02)
-            for s in ready:
-                j = socks.index(s)
-                with contextlib.suppress(BlockingIOError):
-                    while True:
-                        _, src = s.recvfrom(64)
-                        if src in index:
-                            missing.discard((index[src], j))
-    finally:
-        for s in socks:
-            s.close()
-    if missing:
-        pairs = ", ".join(f"h{i}->h{j}" for i, j in sorted(missing)[:6]) + (" ..." if len(missing) > 6 else "")
-        raise NetemError(f"testbed {tb.prefix!r}: no probe crossed {pairs} within {timeout_s:g} s "
-                         f"(shaping {tb.shaping.describe()}); see `ip -n {tb.prefix}-h0 neigh` and `tc -s qdisc`")
-
-
 # ------------------------------------------------------------------------------ up / down
 def up(
     hosts: int,
@@ -493,7 +386,7 @@ def up(
     subnet = validate_subnet(subnet, hosts)
     check_privileges()
     with _locked(prefix):
-        existing = _owned(prefix, list_namespaces())
+        existing = owned_namespaces(prefix, list_namespaces())
         old = load(prefix)
         if old is not None and sorted(existing) == sorted(old.namespaces()):
             if (old.hosts, old.subnet, old.mtu) != (hosts, subnet, mtu):
@@ -544,7 +437,7 @@ def _build(tb: Testbed) -> Testbed:
                 _hook(f"host:{i}")
                 _shape(ns, tb.shaping, tb.loss_method)
                 _hook(f"shape:{i}")
-            _fill_neighbours(tb)
+            fill_neighbours(tb, _run)
             _hook("neigh")
             wait_until_ready(tb)
             _save(tb)
@@ -552,10 +445,10 @@ def _build(tb: Testbed) -> Testbed:
             return tb
     finally:
         if not ok:
-            with _signals_ignored():
+            with signals_ignored():
                 # Also whatever a signal hit between `ip netns add` and the bookkeeping: up() only
                 # builds when no namespace of this prefix existed, so all of them are ours.
-                _delete(sorted(set(created) | set(_owned(tb.prefix, list_namespaces()))))
+                _delete(sorted(set(created) | set(owned_namespaces(tb.prefix, list_namespaces()))))
                 _state_path(tb.prefix).unlink(missing_ok=True)
 
 
@@ -585,11 +478,11 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
     returns the namespaces removed (empty when nothing was up)."""
     validate_prefix(prefix)
     check_privileges()
-    with _locked(prefix), _signals_ignored():
-        names = _owned(prefix, list_namespaces())
+    with _locked(prefix), signals_ignored():
+        names = owned_namespaces(prefix, list_namespaces())
         _delete(names)
         _state_path(prefix).unlink(missing_ok=True)
-        left = _owned(prefix, list_namespaces())
+        left = owned_namespaces(prefix, list_namespaces())
     if left:
         raise NetemError(f"could not remove namespaces {', '.join(left)} (processes still inside? see `ip netns pids`)")
     return names
@@ -616,7 +509,7 @@ def status(prefix: str = DEFAULT_PREFIX) -> dict[str, Any] | None:
     """A JSON-able description of the testbed (None if nothing of ``prefix`` exists)."""
     validate_prefix(prefix)
     check_privileges()
-    existing = _owned(prefix, list_namespaces())
+    existing = owned_namespaces(prefix, list_namespaces())
     tb = load(prefix)
     if tb is None:
         return None if not existing else {"prefix": prefix, "state": "broken", "namespaces": existing}

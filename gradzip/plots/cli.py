@@ -15,7 +15,8 @@ from pathlib import Path
 
 from gradzip.errors import GradzipError
 from gradzip.io import atomic_write_text
-from gradzip.plots.results import Collection, Target, load_runs, results_csv, results_markdown
+from gradzip.plots.figures import draw_all
+from gradzip.plots.results import FIGURES, Collection, Target, load_runs, results_csv, results_markdown
 
 
 @dataclass
@@ -33,9 +34,6 @@ def make_report(path: str | Path, out: str | Path | None = None, figures: list[s
 
     ``figures``/``captions``/``target`` default to the sweep spec's ``[plot]``/``[target]``.
     """
-    from gradzip.plots.figures import draw_all
-    from gradzip.plots.results import FIGURES
-
     col: Collection = load_runs(path)
     out_dir = Path(out) if out else col.root
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -82,8 +80,6 @@ def print_report(rep: Report) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from gradzip.plots.results import FIGURES
-
     parser.add_argument("dir", metavar="DIR", help="a run directory (gradzip train --out) or a sweep directory")
     parser.add_argument("--out", metavar="DIR", help="where to write figures/ and results.* (default: DIR)")
     parser.add_argument("--figures", metavar="LIST",

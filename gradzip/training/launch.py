@@ -5,7 +5,8 @@
 and binds to its address 198.18.0.(i+1); the rendezvous (MASTER_ADDR) is host 0's address. With
 ``--backend mpi`` the same happens under ``mpirun`` (TCP only, restricted to the testbed
 addresses). ``--workers`` is ignored: the world size is HOSTS. In a sweep, a ``gloo``/``mpi`` cell
-that sets ``bandwidth`` runs as ``--netem WORKERS:BANDWIDTH`` (:func:`netem_for_cell`).
+that sets ``bandwidth`` runs as ``--netem WORKERS:BANDWIDTH``
+(:func:`gradzip.experiments.sweep.netem_for_cell`).
 
 The testbed (prefix ``GRADZIP_NETEM_PREFIX``, default ``gz``):
 
@@ -32,46 +33,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
+import shlex
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from gradzip.comm.launch import find_mpirun, spawn_local, supervise
 from gradzip.errors import GradzipError
 from gradzip.netem import testbed
-from gradzip.netem.testbed import Shaping, Testbed
-from gradzip.units import parse_bandwidth, parse_latency
-
-SPEC_HELP = "HOSTS:RATE[:DELAY[:LOSS%]], e.g. 4:100mbit or 4:1gbit:0.1ms:0.01"
-
-
-@dataclass(frozen=True)
-class NetemSpec:
-    hosts: int
-    shaping: Shaping
-    text: str
-
-
-def parse_netem(text: str) -> NetemSpec:
-    """``"4:100mbit:0.1ms:0.5"`` -> 4 hosts, 100 Mbit/s, 0.1 ms delay, 0.5 % loss."""
-    parts = str(text).strip().split(":")
-    if not 2 <= len(parts) <= 4 or not re.fullmatch(r"\d+", parts[0]):
-        raise GradzipError(f"--netem must look like {SPEC_HELP}, got {text!r}")
-    hosts = int(parts[0])
-    if not 1 <= hosts <= 250:
-        raise GradzipError(f"--netem: HOSTS must be between 1 and 250, got {hosts}")
-    try:
-        rate = parse_bandwidth(parts[1])
-        delay = parse_latency(parts[2]) if len(parts) > 2 else 0.0
-    except GradzipError as e:
-        raise GradzipError(f"--netem: {e}") from None
-    from gradzip.netem.cli import parse_loss
-
-    loss = parse_loss(parts[3]) if len(parts) > 3 else 0.0
-    return NetemSpec(hosts, Shaping(rate, delay, loss), str(text).strip())
+from gradzip.netem.spec import NetemSpec, parse_netem
+from gradzip.netem.testbed import Testbed
+from gradzip.training.config import TrainConfig
+from gradzip.training.metrics import read_metrics, update_summary
 
 
 def default_prefix() -> str:
@@ -85,7 +62,8 @@ def testbed_for(spec: NetemSpec, prefix: str | None = None) -> Iterator[tuple[Te
     prefix = prefix or default_prefix()
     testbed.check_privileges()
     old = testbed.load(prefix)
-    if old is not None and sorted(testbed._owned(prefix, testbed.list_namespaces())) == sorted(old.namespaces()):
+    existing = testbed.owned_namespaces(prefix, testbed.list_namespaces())
+    if old is not None and sorted(existing) == sorted(old.namespaces()):
         if old.hosts < spec.hosts:
             raise GradzipError(f"testbed {prefix!r} is up with {old.hosts} hosts but --netem asks for {spec.hosts}; "
                                f"`gradzip netem down` it first, or use at most {old.hosts} hosts")
@@ -96,40 +74,27 @@ def testbed_for(spec: NetemSpec, prefix: str | None = None) -> Iterator[tuple[Te
         try:
             yield tb, "reshaped"
         finally:
-            with testbed._signals_ignored():
+            with testbed.signals_ignored():
                 testbed.reshape(prefix, old.shaping)
         return
     tb, _ = testbed.up(spec.hosts, spec.shaping, prefix)
     try:
         yield tb, "created"
     finally:
-        with testbed._signals_ignored():
+        with testbed.signals_ignored():
             testbed.down(prefix)
 
 
-def netem_for_cell(config: dict[str, Any]) -> dict[str, Any]:
-    """Sweep hook: a cell with a real backend (``gloo``, ``mpi``) that sets ``bandwidth`` and no
-    ``netem`` runs in the testbed, ``netem = "<workers>:<bandwidth>"`` (the ``sim`` backend models
-    the bandwidth instead; ``latency`` stays a ``sim`` setting: netem's delay is per packet)."""
-    if config.get("backend") in ("gloo", "mpi") and "bandwidth" in config and not config.get("netem"):
-        from gradzip.experiments.config import TrainConfig
-
-        return {**config, "netem": f"{config.get('workers', TrainConfig.workers)}:{config['bandwidth']}"}
-    return config
-
-
-def launch_in_testbed(cfg: Any, argv: list[str], env_extra: dict[str, str] | None = None) -> int:
+def launch_in_testbed(cfg: TrainConfig, argv: list[str], env_extra: dict[str, str] | None = None) -> int:
     """The ``gradzip train --netem`` hook: start one rank per host of the testbed, wait, then add the
     wire-byte report to ``cfg.out/summary.json``. Returns the ranks' exit code."""
-    from gradzip.comm.launch import spawn_local
-
     spec = parse_netem(cfg.netem)
     if cfg.backend not in ("gloo", "mpi"):
         raise GradzipError(f"--netem needs --backend gloo or mpi, not {cfg.backend!r}")
     n = spec.hosts
     env = dict(env_extra or {})
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // n))
-    ip = testbed._tool("ip")
+    ip = testbed.tool("ip")
     with testbed_for(spec) as (tb, how):
         addrs = [tb.host_addr(i) for i in range(n)]
         sys.stderr.write(f"gradzip train: {n} {cfg.backend} ranks in testbed {tb.prefix} ({how}): "
@@ -162,12 +127,7 @@ def spawn_mpi(tb: Testbed, n: int, argv: list[str], env_extra: dict[str, str], t
     ``ip netns exec``. MPI is restricted to TCP on the testbed subnet; the collectives that use
     shared memory between ranks on one machine (han, xhc, acoll, sm) are off, since the ranks here
     only look local (same hostname)."""
-    import shlex
-    import tempfile
-
-    from gradzip.comm.launch import _supervise, find_mpirun
-
-    ip, mpirun = testbed._tool("ip"), find_mpirun()
+    ip, mpirun = testbed.tool("ip"), find_mpirun()
     env = dict(os.environ, **env_extra)
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="gradzip-netem-mpi-") as tmp:
@@ -189,13 +149,11 @@ def spawn_mpi(tb: Testbed, n: int, argv: list[str], env_extra: dict[str, str], t
             cmd += ["-x", k]
         cmd += [sys.executable, "-m", "mpi4py", "-m", module, *argv]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        return _supervise([proc], ["mpirun"], timeout, 10.0)
+        return supervise([proc], ["mpirun"], timeout, 10.0)
 
 
 def _metrics_step_count(out: str | Path | None) -> int:
     """The last step recorded in ``out/metrics.jsonl`` (0 for a new run)."""
-    from gradzip.experiments.metrics import read_metrics
-
     path = Path(out) / "metrics.jsonl" if out else None
     if path is None or not path.is_file():
         return 0
@@ -228,15 +186,12 @@ def wire_report(summary: dict[str, Any], before: list[testbed.HostCounters],
 
 def add_wire_report(out: Path, spec: NetemSpec, tb: Testbed, how: str, before: list[testbed.HostCounters],
                     after: list[testbed.HostCounters], first_step: int = 0) -> dict[str, Any]:
-    from gradzip.experiments.metrics import read_metrics, write_json
-
-    path = out / "summary.json"
-    summary = json.loads(path.read_text())
+    """Add the wire-byte fields and the testbed's description to ``out/summary.json``."""
+    summary = json.loads((out / "summary.json").read_text())
     records = read_metrics(out / "metrics.jsonl")
     sent = [float(r.get("bytes_sent") or 0) for r in records if r.get("step", 0) > first_step]
-    summary.update(wire_report(summary, before, after, sent))
-    summary["netem"] = {"spec": spec.text, "hosts": spec.hosts, "prefix": tb.prefix, "testbed": how,
-                        "addresses": [tb.host_addr(i) for i in range(spec.hosts)], "mtu": tb.mtu,
-                        "loss_method": tb.loss_method, **asdict(spec.shaping)}
-    write_json(summary, path)
-    return summary
+    extra = wire_report(summary, before, after, sent)
+    extra["netem"] = {"spec": spec.text, "hosts": spec.hosts, "prefix": tb.prefix, "testbed": how,
+                      "addresses": [tb.host_addr(i) for i in range(spec.hosts)], "mtu": tb.mtu,
+                      "loss_method": tb.loss_method, **asdict(spec.shaping)}
+    return update_summary(out, extra)

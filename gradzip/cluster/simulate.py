@@ -7,7 +7,7 @@ Per step and per GPU (every GPU does the same work, so one is enough):
    optimizer of the GPU's micro-batches at the single-GPU throughput you measured (a flag).
 2. Gradients: the shapes of every parameter from the model configuration
    (:func:`gradzip.models.parameter_shapes`), bucketed exactly as the engine does
-   (:func:`gradzip.engine.buckets.assign_buckets`: reverse order, ``bucket_cap_mb``, tensors under
+   (:func:`gradzip.cluster.buckets.assign_buckets`: reverse order, ``bucket_cap_mb``, tensors under
    ``min_compress_numel`` elements in plain buckets sent uncompressed).
 3. Payload bytes of each bucket from the compressor's own formula
    (``compressor.batch_payload_bytes``); plain buckets send their gradient dtype's bytes.
@@ -52,10 +52,13 @@ from pathlib import Path
 
 import torch
 
+from gradzip.cluster.buckets import MiB, assign_buckets
 from gradzip.comm import cost
 from gradzip.compress.base import Compressor
+from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError
+from gradzip.models import MODEL_SIZES, bert_config, parameter_shapes
 from gradzip.units import parse_bandwidth, parse_latency
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -173,9 +176,6 @@ class BucketShape:
 def model_buckets(model: str, vocab_size: int | None, cap_mb: float, min_compress_numel: int,
                   separate_small: bool, dtype_name: str = "fp32") -> tuple[tuple[BucketShape, ...], int]:
     """The engine's buckets for the named model (shapes only: meta tensors, nothing allocated)."""
-    from gradzip.engine.buckets import MiB, assign_buckets
-    from gradzip.models import bert_config, parameter_shapes
-
     cfg = bert_config(model) if vocab_size is None else bert_config(model, vocab_size=vocab_size)
     shapes = parameter_shapes(cfg)
     dtype = DTYPES[dtype_name]
@@ -203,8 +203,6 @@ def payload_tensors_per_round(spec: str) -> tuple[int, ...]:
 
 def separate_small_for(comp: Compressor) -> bool:
     # As the engine: with plain `none`, small tensors ride in the ordinary buckets (no extra collectives).
-    from gradzip.compress.none import NoCompression
-
     return type(comp) is not NoCompression
 
 
@@ -384,8 +382,6 @@ Example (the README's projection):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from gradzip.models import MODEL_SIZES
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     a = parser.add_argument
@@ -422,8 +418,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> tuple[Workload, Cluster]:
-    from gradzip.models import MODEL_SIZES
-
     if args.model not in MODEL_SIZES:
         raise GradzipError(f"unknown model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
     if args.vocab_size is not None and args.vocab_size < 1:

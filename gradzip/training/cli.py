@@ -1,4 +1,4 @@
-"""``gradzip train``: the command line of :func:`gradzip.experiments.train.train`.
+"""``gradzip train``: the command line of :func:`gradzip.training.loop.train`.
 
 Configuration: defaults < the saved ``config.toml`` of ``--out`` (with ``--resume``) <
 ``--config FILE.toml`` < flags given on the command line.
@@ -12,7 +12,7 @@ Launching, for ``--backend gloo|nccl|mpi``:
   for them. The children carry ``GRADZIP_TRAIN_CHILD=1`` and the launcher's variables, so they
   never spawn again. The parent checks ``--out`` and builds the data cache first.
 - ``--netem HOSTS:RATE`` runs the ranks inside the network testbed instead: the launch goes
-  through ``gradzip.netem.run.launch_in_testbed(cfg, argv, env_extra) -> int`` (see
+  through ``gradzip.training.launch.launch_in_testbed(cfg, argv, env_extra) -> int`` (see
   :func:`_launch`).
 """
 
@@ -27,9 +27,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from gradzip.errors import GradzipError
-from gradzip.experiments.config import BACKENDS, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, load_toml, write_toml
-from gradzip.experiments.runtime import LAUNCH_MARKER
+import torch
+
+from gradzip.comm.launch import detect_launcher_env, spawn_local
+from gradzip.training.checkpoint import check_out_dir
+from gradzip.training.config import BACKENDS, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, load_toml, write_toml
+from gradzip.training.launch import launch_in_testbed
+from gradzip.training.loop import train
+from gradzip.training.runtime import LAUNCH_MARKER, Runtime, build_data
 
 _D = TrainConfig()  # defaults, for the help texts
 
@@ -122,8 +127,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.real_backend and not os.environ.get(LAUNCH_MARKER) and not _under_launcher():
         return _spawn(cfg)
-    from gradzip.experiments.train import train
-
     summary = train(cfg)
     if "final_loss" in summary and not os.environ.get(LAUNCH_MARKER):  # spawned: the parent reports
         _print_summary(summary)
@@ -131,20 +134,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _under_launcher() -> bool:
-    from gradzip.comm.launch import detect_launcher_env
-
     return detect_launcher_env().external
 
 
 def _spawn(cfg: TrainConfig) -> int:
     """Start ``cfg.workers`` local ranks running this command, wait, report."""
-    from gradzip.experiments.runtime import Runtime, build_data, check_out_dir
-
     cfg.check_runtime()
     cfg = cfg.replace(out=cfg.out or cfg.default_out())
     check_out_dir(cfg)  # refuse before any process starts; reads only
-    import torch
-
     build_data(cfg, Runtime(device=torch.device("cpu"), rank=0, num_workers=1))  # warm the data cache once
     env = {LAUNCH_MARKER: "1"}
     if "OMP_NUM_THREADS" not in os.environ:  # N processes share the cores
@@ -168,16 +165,7 @@ def _launch(cfg: TrainConfig, argv: list[str], env: dict[str, str]) -> int:
     """Start the ranks. The network-testbed hook: with ``--netem``, the testbed's launcher runs
     one rank per emulated host; otherwise local processes on this machine."""
     if cfg.netem:
-        try:
-            from gradzip.netem.run import launch_in_testbed
-        except ModuleNotFoundError as e:
-            if not (e.name or "").startswith("gradzip"):
-                raise
-            raise GradzipError("--netem needs the network testbed (gradzip.netem.run), "
-                               "which this installation lacks") from None
         return int(launch_in_testbed(cfg, argv, env_extra=env))
-    from gradzip.comm.launch import spawn_local
-
     # No overall timeout: a run takes as long as it takes; each collective has cfg.timeout.
     return int(spawn_local(cfg.backend, cfg.workers, argv, env_extra=env))
 

@@ -22,13 +22,20 @@ import difflib
 import math
 import os
 import re
+import time
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gradzip.compress.registry import create
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
+from gradzip.models import bert_config
+from gradzip.netem.spec import parse_netem
+from gradzip.units import parse_bandwidth, parse_latency
 
 BACKENDS = ("sim", "gloo", "nccl", "mpi")
 OPTIMIZERS = ("adamw", "lamb")
@@ -151,8 +158,6 @@ class TrainConfig:
             raise bad("vocab_size", f"must be >= 100 (or unset for the model's default), got {self.vocab_size}")
         if self.seq_len > 512:
             raise bad("seq_len", f"must be <= 512 (BERT's position embeddings), got {self.seq_len}")
-        from gradzip.units import parse_bandwidth, parse_latency
-
         try:
             parse_bandwidth(self.bandwidth)
             parse_latency(self.latency)
@@ -161,9 +166,6 @@ class TrainConfig:
         if self.netem is not None:
             if self.backend not in ("gloo", "mpi"):
                 raise bad("netem", f"needs --backend gloo or mpi (real processes), not {self.backend!r}")
-            # -- netem hook: the spelling HOSTS:RATE[:DELAY[:LOSS%]] is gradzip.netem.run's --
-            from gradzip.netem.run import parse_netem
-
             try:
                 parse_netem(self.netem)
             except GradzipError as e:
@@ -171,17 +173,11 @@ class TrainConfig:
         self._check_names(source)
 
     def _check_names(self, source: str) -> None:
-        """The model and compressor names are known (cheap imports; skipped if a part is absent)."""
-        from gradzip.compress.registry import create
-
+        """The model and compressor names are known ."""
         try:
             create(self.compressor)
         except SpecError as e:
             raise GradzipError(f"{_pre(source)}--compressor: {e}") from None
-        try:
-            from gradzip.models import bert_config
-        except ImportError:
-            return
         try:
             bert_config(self.model)
         except (GradzipError, KeyError, ValueError) as e:
@@ -189,8 +185,6 @@ class TrainConfig:
 
     def check_runtime(self) -> None:
         """Checks that depend on this machine: CUDA for nccl and fp16."""
-        import torch
-
         cuda = torch.cuda.is_available()
         if self.device == "cuda" and not cuda:
             raise GradzipError("--device cuda: no CUDA device is available here; use --device cpu")
@@ -213,8 +207,6 @@ class TrainConfig:
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        import torch
-
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
@@ -223,8 +215,6 @@ class TrainConfig:
 
     def default_out(self) -> str:
         """``runs/<model>-<compressor>-<backend><workers>-<date-time>``."""
-        import time
-
         comp = re.sub(r"[^A-Za-z0-9.=]+", "_", self.compressor).strip("_")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         return os.path.join("runs", f"{self.model}-{comp}-{self.backend}{self.workers}-{stamp}")

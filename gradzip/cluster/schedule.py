@@ -1,4 +1,10 @@
-"""Step-time accounting: :class:`StepStats` and the ``sim`` backend's virtual clock.
+"""The one step-time model: how buckets, encoding and a serial link make up a data-parallel step.
+
+Used by the ``sim`` backend's virtual clock (the engine), by ``gradzip simulate`` (the cluster
+cost model), by its validation and by the engine benchmark: every modelled step time in gradzip
+comes from :func:`model_step`, so they all share one overlap rule.
+
+The virtual clock:
 
 The virtual clock charges a step as N parallel workers running this engine would experience it.
 Its inputs are, per bucket in launch (index) order, averaged over the simulated workers (they all
@@ -35,37 +41,7 @@ compression kernels and communication for memory bandwidth, and the optimizer st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-
-
-@dataclass
-class StepStats:
-    """What one :meth:`Engine.finalize` reports, for one rank (``sim``: mean over workers).
-
-    compute_s: forward + backward (excluding the engine's own work).
-    compress_s: engine work on the compute thread: packing, encoding, decoding, unpacking.
-    comm_s: *exposed* communication: time waiting for the network beyond what backward hid.
-    bytes_sent / bytes_recv: this rank's bytes on the wire this step (all rounds).
-    step_s: compute_s + compress_s + comm_s (sim, modelled) or the measured wall time from the
-        first forward to the end of finalize (real backends); excludes the optimizer step.
-    clock: ``"modelled"`` (sim) or ``"measured"``.
-    link_s: total communication time, overlapped or not (sim: modelled α–β time of every
-        collective; real: the backend's measured time per collective, which overlaps).
-    buckets: number of buckets exchanged.
-    """
-
-    compute_s: float
-    compress_s: float
-    comm_s: float
-    bytes_sent: int
-    bytes_recv: int
-    step_s: float
-    clock: str
-    link_s: float = 0.0
-    buckets: int = 0
-
-    def to_dict(self) -> dict[str, float | int | str]:
-        return asdict(self)
+from dataclasses import dataclass, field
 
 
 @dataclass

@@ -21,7 +21,11 @@ host_s         real seconds since the run started, cumulative over resumes
 eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``)
 =============  =========================================================================
 
-``summary.json`` is computed from the whole ``metrics.jsonl`` (so it covers resumed runs).
+:class:`StepRecord` is that record, typed; the loop fills one per step.
+
+``summary.json`` is computed from the whole ``metrics.jsonl`` (so it covers resumed runs), and is
+written only here: :func:`write_summary` by the loop, :func:`update_summary` by launchers that add
+what only they know (the testbed's wire bytes).
 """
 
 from __future__ import annotations
@@ -29,10 +33,43 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gradzip.io import atomic_write_json, atomic_write_text, read_jsonl
+
+
+@dataclass
+class StepRecord:
+    """One line of ``metrics.jsonl`` (fields: the table in the module docstring)."""
+
+    step: int
+    loss: float
+    mlm_loss: float
+    nsp_loss: float
+    lr: float
+    tokens: int
+    samples: int
+    step_s: float
+    wall_s: float
+    compute_s: float
+    compress_s: float
+    comm_s: float
+    opt_s: float
+    bytes_sent: int
+    bytes_recv: int
+    grad_norm: float
+    clock: str
+    host_s: float
+    eval_loss: float | None = None
+    eval_mlm_loss: float | None = None
+    eval_nsp_loss: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object; the eval fields only on steps that evaluated."""
+        d = asdict(self)
+        return {k: v for k, v in d.items() if not (k.startswith("eval_") and v is None)}
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -56,9 +93,9 @@ class MetricsLog:
         self.path = Path(path)
         self._f = open(self.path, "a", encoding="utf-8") if enabled else None
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: StepRecord) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(_clean(record)) + "\n")
+            self._f.write(json.dumps(_clean(record.to_json())) + "\n")
             self._f.flush()
 
     def close(self) -> None:
@@ -114,5 +151,15 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
     return _clean(summary)
 
 
-def write_json(obj: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    atomic_write_json(path, obj)
+def write_summary(out: str | os.PathLike[str], summary: dict[str, Any]) -> None:
+    """Write ``out/summary.json`` (atomically)."""
+    atomic_write_json(Path(out) / "summary.json", _clean(summary))
+
+
+def update_summary(out: str | os.PathLike[str], extra: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``extra`` into ``out/summary.json`` and return the result."""
+    path = Path(out) / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.update(extra)
+    write_summary(out, summary)
+    return summary

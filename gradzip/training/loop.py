@@ -6,13 +6,13 @@ this process; real backends: this rank), the engine exchanges the compressed gra
 optimizer steps on the averaged gradient. Outputs in ``cfg.out`` (rank 0 writes):
 
 - ``config.toml``: the resolved configuration (``--config`` accepts it);
-- ``metrics.jsonl``: one record per step (fields: :mod:`gradzip.experiments.metrics`);
+- ``metrics.jsonl``: one record per step (fields: :mod:`gradzip.training.metrics`);
 - ``summary.json``: final losses, tokens/s, bytes per step, compression ratio, ...;
-- ``ckpt-*.pt``: checkpoints (:mod:`gradzip.experiments.checkpoint`), the newest K kept.
+- ``ckpt-*.pt``: checkpoints (:mod:`gradzip.training.checkpoint`), the newest K kept.
 
 Example::
 
-    from gradzip.experiments.train import TrainConfig, train
+    from gradzip.training.loop import TrainConfig, train
     summary = train(TrainConfig(compressor="powersgd:rank=4", workers=4, steps=200, out="runs/p4"))
 """
 
@@ -25,21 +25,17 @@ from typing import Any
 import torch
 
 from gradzip.comm.cost import allreduce_bytes
-from gradzip.experiments import checkpoint
-from gradzip.experiments.config import TrainConfig, write_toml
-from gradzip.experiments.metrics import MetricsLog, read_metrics, summarize, truncate_metrics, write_json
-from gradzip.experiments.optim import WarmupDecay, build_optimizer
-from gradzip.experiments.runtime import (
-    Precision,
-    Progress,
-    WorkerRNG,
-    build_data,
-    check_out_dir,
-    create_runtime,
-    evaluate,
-    seed_everything,
-    to_device,
-)
+from gradzip.engine import attach
+from gradzip.models import BertForPreTraining, bert_config
+from gradzip.training import checkpoint
+from gradzip.training.config import TrainConfig, write_toml
+from gradzip.training.evaluate import evaluate, to_device
+from gradzip.training.metrics import MetricsLog, StepRecord, read_metrics, summarize, truncate_metrics, write_summary
+from gradzip.training.optim import WarmupDecay, build_optimizer
+from gradzip.training.precision import Precision
+from gradzip.training.progress import Progress
+from gradzip.training.rng import WorkerRNG, seed_everything
+from gradzip.training.runtime import build_data, create_runtime
 
 __all__ = ["TrainConfig", "train"]
 
@@ -48,9 +44,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or with ``cfg.resume``, continue) one training run; return the summary (rank 0; other
     ranks of a real backend return ``{"rank": r}``). Bad settings raise GradzipError before
     anything in ``cfg.out`` is created or changed."""
-    from gradzip.engine import attach
-    from gradzip.models import BertForPreTraining, bert_config
-
     # -- where we run: sim world or this rank's communicator; the output directory --------------
     cfg.check_runtime()
     rt = create_runtime(cfg)
@@ -58,7 +51,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if rt.comm is not None:  # the launcher decides the world size, not --workers
             cfg = cfg.replace(workers=rt.num_workers)
         cfg = cfg.replace(out=rt.broadcast_str(cfg.out or cfg.default_out()))
-        out = check_out_dir(cfg)  # every rank checks before anyone writes
+        out = checkpoint.check_out_dir(cfg)  # every rank checks before anyone writes
         rt.barrier()
 
         # -- data and model (same seed: same initial weights on every rank) --------------------
@@ -127,14 +120,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             progress["samples"] += int(samples)
             progress["wall_s"] += stats.step_s + opt_s
             progress["host_s"] = time.perf_counter() - t_start
-            rec = {"step": step, "loss": loss / n, "mlm_loss": mlm / n, "nsp_loss": nsp / n, "lr": lr,
-                   "tokens": progress["tokens"], "samples": progress["samples"], "step_s": stats.step_s + opt_s,
-                   "wall_s": progress["wall_s"], "compute_s": stats.compute_s, "compress_s": stats.compress_s,
-                   "comm_s": stats.comm_s, "opt_s": opt_s, "bytes_sent": int(stats.bytes_sent),
-                   "bytes_recv": int(stats.bytes_recv), "grad_norm": grad_norm, "clock": stats.clock,
-                   "host_s": progress["host_s"]}
+            rec = StepRecord(
+                step=step, loss=loss / n, mlm_loss=mlm / n, nsp_loss=nsp / n, lr=lr, tokens=progress["tokens"],
+                samples=progress["samples"], step_s=stats.step_s + opt_s, wall_s=progress["wall_s"],
+                compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
+                bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
+                clock=stats.clock, host_s=progress["host_s"])
             if rt.is_main and cfg.eval_batches and (step == last or (cfg.eval_every and step % cfg.eval_every == 0)):
-                rec.update(evaluate(model, data, cfg, prec, rt.device))
+                ev = evaluate(model, data, cfg, prec, rt.device)
+                rec.eval_loss, rec.eval_mlm_loss, rec.eval_nsp_loss = ev.get("eval_loss"), ev.get("eval_mlm_loss"), \
+                    ev.get("eval_nsp_loss")
             log.write(rec)
             bar.update(rec, tokens)
             every = cfg.checkpoint_every
@@ -153,7 +148,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "initial_eval_loss": progress["initial_eval_loss"], "out": str(out)}
         none_bytes = allreduce_bytes(4 * info["params"], rt.num_workers)  # fp32 ring allreduce of every gradient
         summary = summarize(read_metrics(metrics_path), info, none_bytes)
-        write_json(summary, out / "summary.json")
+        write_summary(out, summary)
         return summary
     finally:
         rt.close()

@@ -1,6 +1,6 @@
 """Validate ``gradzip simulate`` against real training in the network testbed.
 
-``python -m gradzip.netem.validate [--hosts 2 3] [--rates 25mbit 50mbit 100mbit]
+``python -m gradzip.bench.validate [--hosts 2 3] [--rates 25mbit 50mbit 100mbit]
 [--compressors none fp16 topk:ratio=0.01,ef=true] [--steps 10] [--md FILE]`` (root; ~10 min on 2 cores)
 
 For every host count H and compressor C:
@@ -11,7 +11,7 @@ For every host count H and compressor C:
    cores) calibrate the model;
 2. for every rate R: ``gradzip train --backend gloo --netem H:R``, measured step time = median of
    ``step_s`` over the steps after the first ``--warmup``;
-3. prediction: :func:`gradzip.netem.simulate.predict` for H nodes × 1 GPU, bandwidth R,
+3. prediction: :func:`gradzip.cluster.simulate.predict` for H nodes × 1 GPU, bandwidth R,
    link efficiency 1448/1514 (TCP/IPv4 with timestamps over Ethernet, MTU 1500: the shaper
    counts every frame's headers), α = half the testbed's measured TCP round trip, overlap 0 (with
    bert-tiny every bucket is ready only at the end of backward), compute and compression from (1).
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradzip.netem import simulate as sim
+from gradzip.cluster import simulate as sim
 from gradzip.netem import testbed
 from gradzip.units import parse_bandwidth
 
@@ -63,7 +63,7 @@ PING = textwrap.dedent("""
 
 def measure_rtt(tb: testbed.Testbed) -> float:
     """Median TCP round trip (1-byte ping-pong) between hosts 0 and 1, in seconds."""
-    ip = testbed._tool("ip")
+    ip = testbed.tool("ip")
     srv = subprocess.Popen([ip, "netns", "exec", tb.host_ns(1), sys.executable, "-c", PING, "server", tb.host_addr(1)],
                            stdout=subprocess.PIPE, text=True)
     try:
@@ -103,7 +103,7 @@ def med(recs: list[dict[str, Any]], *keys: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gradzip.netem.validate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m gradzip.bench.validate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--rates", nargs="+", default=["25mbit", "50mbit", "100mbit"])

@@ -34,6 +34,7 @@ import torch
 
 from gradzip.errors import GradzipError
 from gradzip.io import atomic_write
+from gradzip.training.config import TrainConfig, load_toml
 
 FORMAT = "gradzip-checkpoint"
 VERSION = 1
@@ -131,7 +132,7 @@ def load(directory: str | os.PathLike[str], step: int, rank: int, world_size: in
 # ---------------------------------------------------------------------- RNG states
 def host_rng_state() -> dict[str, Any]:
     """numpy's and Python's global RNG states, as tensors and numbers (weights_only-safe).
-    (torch's generators are per worker: see :class:`gradzip.experiments.runtime.WorkerRNG`.)"""
+    (torch's generators are per worker: see :class:`gradzip.training.rng.WorkerRNG`.)"""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, py_gauss = random.getstate()
     return {
@@ -199,3 +200,28 @@ def restore_run(directory: str | os.PathLike[str], st: RunState, rt: Any) -> boo
                            "resume with the settings it was written with") from None
     st.progress.update(shared["progress"])
     return True
+
+
+# ---------------------------------------------------------------------- output directory
+def check_out_dir(cfg: TrainConfig) -> Path:
+    """Refuse a non-empty ``--out`` unless resuming; when resuming, refuse a changed config.
+    Reads only: nothing is created or touched here."""
+    out = Path(cfg.out or "")
+    if out.exists() and not out.is_dir():
+        raise GradzipError(f"--out {out} exists and is not a directory; choose another --out")
+    nonempty = out.is_dir() and any(out.iterdir())
+    if nonempty and not cfg.resume:
+        raise GradzipError(f"--out {out} exists and is not empty; pass --resume to continue that run, "
+                           "or choose another --out")
+    if cfg.resume and nonempty:
+        if latest_checkpoint(out) is None:
+            raise GradzipError(f"--resume: {out} holds no checkpoint (ckpt-*.pt) to continue from; "
+                               "run with --checkpoint-every N, or choose another --out")
+    saved = out / "config.toml"
+    if cfg.resume and saved.exists():
+        old = TrainConfig.from_dict(load_toml(saved), source=str(saved))
+        changed = cfg.diff(old)
+        if changed:
+            raise GradzipError(f"--resume: the run in {out} used different settings ({'; '.join(changed)}); "
+                               "resume with the same settings, or choose another --out")
+    return out

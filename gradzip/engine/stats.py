@@ -1,0 +1,36 @@
+"""What one exchange step reports: :class:`StepStats` (the model behind ``sim``'s modelled times is
+:mod:`gradzip.cluster.schedule`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StepStats:
+    """What one :meth:`Engine.finalize` reports, for one rank (``sim``: mean over workers).
+
+    compute_s: forward + backward (excluding the engine's own work).
+    compress_s: engine work on the compute thread: packing, encoding, decoding, unpacking.
+    comm_s: *exposed* communication: time waiting for the network beyond what backward hid.
+    bytes_sent / bytes_recv: this rank's bytes on the wire this step (all rounds).
+    step_s: compute_s + compress_s + comm_s (sim, modelled) or the measured wall time from the
+        first forward to the end of finalize (real backends); excludes the optimizer step.
+    clock: ``"modelled"`` (sim) or ``"measured"``.
+    link_s: total communication time, overlapped or not (sim: modelled α–β time of every
+        collective; real: the backend's measured time per collective, which overlaps).
+    buckets: number of buckets exchanged.
+    """
+
+    compute_s: float
+    compress_s: float
+    comm_s: float
+    bytes_sent: int
+    bytes_recv: int
+    step_s: float
+    clock: str
+    link_s: float = 0.0
+    buckets: int = 0
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
