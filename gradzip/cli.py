@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -24,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("gradzip.experiments.run_cli", "run a spec that ships with gradzip (--list to list them)"),
     "plot": ("gradzip.plots.cli", "draw figures and the results table of a run or sweep"),
     "bench": ("gradzip.bench.cli", "benchmarks: compress, engine, train"),
-    "ls": ("gradzip.compress.ls_cli", "list the registered compressors"),
+    "ls": ("gradzip.ls", "list the registered compressors"),
     "simulate": ("gradzip.cluster.simulate", "predict step time of a large cluster (cost model)"),
     "netem": ("gradzip.netem.cli", "emulated hosts with shaped links (namespaces + tc)"),
     "env": ("gradzip.env", "print versions and available backends (for bug reports)"),
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("gradzip: interrupted\n")
         return 130
+    except BrokenPipeError:  # `gradzip ls | head`: the reader left; no traceback at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return int(code or 0)
 
 

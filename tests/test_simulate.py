@@ -93,16 +93,27 @@ def test_step_of_none_by_hand():
     assert days == pytest.approx(3e9 / p.tokens_per_s / 86400)
 
 
-def test_overlap_hides_communication_up_to_the_last_backward():
-    w0, w1 = work(overlap=0.0, accumulation=2), work(overlap=1.0, accumulation=2)
+def test_overlap_sends_each_bucket_once_backward_has_produced_it():
+    """The one overlap rule (cluster.schedule.model_step, as the sim clock): with overlap 1, bucket i
+    is ready when the last micro-batch's backward has produced its share of the gradients, and the
+    buckets queue on one serial link; the exposed time is what the link still needs after compute."""
     cl = cluster(4, 1, 1e8)
+    w0, w1 = (work(overlap=o, accumulation=2, bucket_cap_mb=1.0) for o in (0.0, 1.0))
     p0, p1 = sim.predict("none", w0, cl), sim.predict("none", w1, cl)
     backward = 2 / 3 * p0.compute_s / 2  # the last of 2 micro-batches
     assert p1.backward_s == pytest.approx(backward)
-    assert p1.exposed_comm_s == pytest.approx(max(0.0, p0.comm_s - backward))
-    # enough bandwidth: everything hidden
+    buckets, _ = sim.model_buckets("bert-tiny", None, 1.0, w1.min_compress_numel, False, "fp32")
+    assert len(buckets) > 3
+    total, done, link = sum(b.numel for b in buckets), 0, 0.0
+    for b in buckets:  # the schedule, by hand
+        done += b.numel
+        link = max(p1.compute_s - backward * (1 - done / total), link) + sim.allreduce_time(4 * b.numel, 1, cl)
+    assert p1.exposed_comm_s == pytest.approx(max(0.0, link - p1.compute_s))
+    assert p0.exposed_comm_s == pytest.approx(p0.comm_s)  # no overlap: every bucket waits for backward
+    assert max(0.0, p0.comm_s - backward) <= p1.exposed_comm_s < p0.exposed_comm_s
+    # enough bandwidth: only the last bucket's (tiny) transfer is left after compute
     fast = sim.predict("none", w1, cluster(4, 1, 1e12))
-    assert fast.exposed_comm_s == 0.0 and fast.step_s == pytest.approx(fast.compute_s)
+    assert fast.exposed_comm_s < 1e-4 * fast.compute_s and fast.step_s == pytest.approx(fast.compute_s, rel=1e-4)
 
 
 def test_one_worker_has_no_communication():

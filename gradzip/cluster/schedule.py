@@ -2,9 +2,8 @@
 
 Used by the ``sim`` backend's virtual clock (the engine), by ``gradzip simulate`` (the cluster
 cost model), by its validation and by the engine benchmark: every modelled step time in gradzip
-comes from :func:`model_step`, so they all share one overlap rule.
-
-The virtual clock:
+comes from :func:`model_step`, so they all share one overlap rule. ``gradzip simulate`` builds
+the per-bucket inputs below from its α–β cost model instead of measuring them.
 
 The virtual clock charges a step as N parallel workers running this engine would experience it.
 Its inputs are, per bucket in launch (index) order, averaged over the simulated workers (they all

@@ -28,12 +28,17 @@ Per step and per GPU (every GPU does the same work, so one is enough):
      within one node at B_intra, α_intra.
    - B is the link bandwidth times ``link_efficiency`` (framing: TCP/IPv4 over Ethernet at MTU
      1500 carries 1448 payload bytes per 1514-byte frame, 0.956).
-6. Overlap: backward_s = backward_fraction · compute_s / accumulation (the backward of the last
-   micro-batch, during which buckets are sent); exposed_comm_s = max(0, comm_s − overlap ·
-   backward_s). Compression is not overlapped (it runs on the compute device).
-7. step_s = compute_s + compress_s + exposed_comm_s; cluster tokens/s = n · tokens per step /
-   step_s; scaling efficiency = (cluster tokens/s) / (n · tokens_per_second) = compute_s / step_s;
-   days = tokens · epochs / cluster tokens/s / 86400.
+6. Overlap, by the one step-time model that the ``sim`` backend's clock also uses
+   (:func:`gradzip.cluster.schedule.model_step`): backward_s = backward_fraction · compute_s /
+   accumulation is the backward of the last micro-batch; bucket i (in launch order, holding a
+   cumulative fraction f_i of the elements) is ready at compute_s − overlap · backward_s · (1 − f_i),
+   is encoded on the compute thread (which delays the rest of backward), and its collectives
+   queue on one serial link; allgather decodes run on the compute thread after backward. With
+   ``overlap = 0`` every bucket waits for the end of backward: step = compute + the serial
+   schedule of encode and link.
+7. step_s from that schedule; exposed_comm_s = step_s − compute_s − compress_s; cluster tokens/s =
+   n · tokens per step / step_s; scaling efficiency = (cluster tokens/s) / (n · tokens_per_second)
+   = compute_s / step_s; days = tokens · epochs / cluster tokens/s / 86400.
 
 Ignored on purpose: stragglers and jitter, contention between compression kernels and
 communication, congestion beyond the per-node NIC, the optimizer step's own scaling (it is part of
@@ -53,9 +58,9 @@ from pathlib import Path
 import torch
 
 from gradzip.cluster.buckets import MiB, assign_buckets
+from gradzip.cluster.schedule import BucketTiming, model_step
 from gradzip.comm import cost
 from gradzip.compress.base import Compressor
-from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError
 from gradzip.models import MODEL_SIZES, bert_config, parameter_shapes
@@ -203,7 +208,7 @@ def payload_tensors_per_round(spec: str) -> tuple[int, ...]:
 
 def separate_small_for(comp: Compressor) -> bool:
     # As the engine: with plain `none`, small tensors ride in the ordinary buckets (no extra collectives).
-    return type(comp) is not NoCompression
+    return not comp.identity
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -260,34 +265,52 @@ def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost = CodecCost
     ar_calls = ag_calls = 0
     payload = sent = 0
     compressed_numel = 0
+    compute = work.tokens_per_step / work.tokens_per_second
+    backward = work.backward_fraction * compute / work.accumulation
+    total_numel = sum(b.numel for b in buckets) or 1
+    timings: list[BucketTiming] = []
+    done_numel = 0
+    t_ar = t_ag = 0.0
     for b in buckets:
+        done_numel += b.numel
+        # The one overlap rule (cluster.schedule): buckets complete in order through the last
+        # `overlap` fraction of the last micro-batch's backward, each when its gradients are done.
+        ready = compute - work.overlap * backward * (1.0 - done_numel / total_numel)
         if not b.compressed:
             nbytes = b.numel * esize
             payload += nbytes
             ar_bytes += nbytes
             ar_calls += 1
             sent += cost.allreduce_bytes(nbytes, n)
+            t = allreduce_time(nbytes, 1, cl)
+            t_ar += t
+            timings.append(BucketTiming(ready_s=ready, compress_s=0.0, rounds_s=[t]))
             continue
         compressed_numel += b.numel
         nbytes = comp.batch_payload_bytes(b.shapes, dtype)
         payload += nbytes
+        encode = codec.encode_s * b.numel
         if comp.collective == "allgather":
             ag_bytes += nbytes
             ag_calls += sum(per_round)
             sent += (n - 1) * nbytes
+            t = allgather_time(nbytes, sum(per_round), cl)
+            t_ag += t
+            decode = codec.aggregate_s * (n - 1) * b.numel
         else:
             ar_bytes += nbytes
             ar_calls += sum(per_round)
             sent += cost.allreduce_bytes(nbytes, n)
-    compute = work.tokens_per_step / work.tokens_per_second
-    backward = work.backward_fraction * compute / work.accumulation
-    compress = codec.encode_s * compressed_numel
-    if comp.collective == "allgather":
-        compress += codec.aggregate_s * (n - 1) * compressed_numel
-    t_ar, t_ag = allreduce_time(ar_bytes, ar_calls, cl), allgather_time(ag_bytes, ag_calls, cl)
-    comm = t_ar + t_ag
-    exposed = max(0.0, comm - work.overlap * backward)
-    step = compute + compress + exposed
+            t = allreduce_time(nbytes, sum(per_round), cl)
+            t_ar += t
+            decode = 0.0
+        # Rounds share the bucket's link time by their number of collectives (bytes per round are
+        # not separated by the compressor's formula; the sum is exact).
+        rounds = [t * k / sum(per_round) for k in per_round] if sum(per_round) else [t]
+        timings.append(BucketTiming(ready_s=ready, compress_s=encode, rounds_s=rounds,
+                                    between_s=[0.0] * (len(rounds) - 1), decode_s=decode))
+    modelled = model_step(compute, timings)
+    compress, comm, exposed, step = modelled.compress_s, modelled.link_s, modelled.comm_s, modelled.step_s
     tps = n * work.tokens_per_step / step
     return Prediction(
         compressor=comp.spec, workers=n, params=params, payload_bytes=int(payload), sent_bytes=int(sent),
@@ -348,7 +371,7 @@ def codec_for(spec: str, encode: str | None, aggregate: str | None) -> CodecCost
     enc = None if encode is None or is_file else _nonneg(encode, "--encode-cost")
     agg = None if aggregate is None else _nonneg(aggregate, "--aggregate-cost")
     comp = create(spec)
-    if type(getattr(comp, "inner", comp)).__name__ == "NoCompression":
+    if comp.identity:
         return CodecCost(0.0, 0.0, "none: nothing to encode")
     if is_file:
         base = codec_from_bench(str(encode), spec)

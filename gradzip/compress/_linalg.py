@@ -112,13 +112,14 @@ class LowRankCtx:
     dtypes: list[torch.dtype]
     groups: list[FactorGroup]
     plain: list[int]  # positions of the tensors sent uncompressed
-    u: Tensor  # those tensors, flattened and concatenated
+    uncompressed: Tensor  # those tensors, flattened and concatenated
 
     def views(self, flat: Tensor | None, factor: str) -> tuple[Tensor, list[Tensor]]:
         """``flat`` (a new fp32 buffer if None) and its per-group ``(B, n|m, r)`` views of factor "p" or "q"."""
         shapes = [(len(g.idx), g.n if factor == "p" else g.m, g.r) for g in self.groups]
         if flat is None:
-            flat = torch.empty(sum(a * b * c for a, b, c in shapes), dtype=torch.float32, device=self.u.device)
+            numel = sum(a * b * c for a, b, c in shapes)
+            flat = torch.empty(numel, dtype=torch.float32, device=self.uncompressed.device)
         out, offset = [], 0
         for s in shapes:
             out.append(flat[offset:offset + s[0] * s[1] * s[2]].view(s))

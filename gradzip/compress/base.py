@@ -1,18 +1,43 @@
 """The compressor contract.
 
-A compressor turns one gradient tensor into a *payload* (a tuple of tensors that cross the wire)
-plus a local *context*, and turns a payload back into a tensor of the original shape and dtype.
+A compressor turns a *bucket* of gradient tensors into a *payload* (a tuple of tensors that cross
+the wire) plus a local *context*, and turns a payload back into tensors of the original shapes
+and dtypes.
 
-Protocol, as driven by :class:`gradzip.engine.exchange.Exchange`::
+Protocol, exactly as :class:`gradzip.engine.exchange.Exchange` drives it, once per bucket and
+step (``tensors``: the bucket's gradients, in bucket order; ``key``: the bucket's state key)::
 
-    payload, ctx = c.compress(x, key)                # round 0
-    for r in range(1, c.rounds):                     # multi-round compressors (PowerSGD)
-        payload = collective(payload)                # allreduce-mean of every payload tensor
-        payload, ctx = c.next_round(payload, ctx)
-    if c.collective == "allreduce":
-        out = c.decompress(allreduce_mean(payload), ctx)
-    else:                                            # "allgather"
-        out = c.aggregate([c.decompress(p, ctx) for p in allgather(payload)])
+    payload, ctx = c.compress_batch(tensors, key)          # round 0, on the compute thread
+    for r in range(1, c.rounds):                           # multi-round compressors (PowerSGD)
+        reduced = tuple(allreduce_mean(p) for p in payload)
+        payload, ctx = c.next_round_batch(reduced, ctx)
+    if c.collective == "allreduce":                        # payloads average elementwise
+        outs = c.decompress_batch(tuple(allreduce_mean(p) for p in payload), ctx)
+    else:                                                  # "allgather": one payload per rank
+        per_rank = allgather(payload)                      # list over ranks of payload tuples
+        parts = [c.decompress_batch(p, ctx) for p in per_rank]
+        outs = [c.aggregate([part[i] for part in parts]) for i in range(len(tensors))]
+    # outs[i] is the averaged gradient of tensors[i] (same shape and dtype)
+
+The ``*_batch`` methods are the protocol. Element-wise compressors implement only the
+single-tensor methods (``compress``, ``decompress``, ``next_round``): the defaults below view the
+bucket as one flat tensor. Compressors whose unit is a tensor or a matrix (PowerSGD; error feedback,
+which wraps any compressor) derive from :class:`BucketCompressor` and implement the ``*_batch``
+methods, and declare ``per_tensor = True`` when the engine must give them tensors one parameter
+each rather than one flat view.
+
+Capabilities, declared on the class (the engine, the DDP adapter and ``gradzip simulate`` read
+them; nothing outside guesses from the type or unwraps ``.inner``):
+
+- ``collective``: how payloads combine, ``"allreduce"`` or ``"allgather"``;
+- ``schemes``: every exchange scheme the compressor supports (default: its ``collective``);
+- ``per_tensor``: the bucket arrives as per-parameter tensors (PowerSGD) instead of one flat view;
+- ``identity``: the payload is the gradient itself (``none``): small tensors then ride in the same
+  buckets as large ones, and there is nothing to encode;
+- ``rounds``, ``biased``, ``lossless``, ``default_ef``.
+
+:class:`gradzip.compress.ef.ErrorFeedback` delegates each of them to the compressor it wraps,
+except ``identity`` (its payload is the compensated gradient, not the gradient).
 
 Rules every compressor follows:
 
@@ -59,6 +84,9 @@ class Compressor(ABC):
         default_ef: wrap in error feedback unless the spec says ``ef=false``.
         rounds: number of communication rounds (PowerSGD: 2).
         lossless: decompress(compress(x)) == x exactly (used by the generic tests).
+        schemes: exchange schemes supported; defaults to ``(collective,)``.
+        per_tensor: the ``*_batch`` methods want the bucket's tensors one per parameter.
+        identity: the payload is the gradient itself (``none``).
     """
 
     name: ClassVar[str] = ""
@@ -69,6 +97,14 @@ class Compressor(ABC):
     default_ef: ClassVar[bool] = False
     rounds: ClassVar[int] = 1
     lossless: ClassVar[bool] = False
+    schemes: ClassVar[tuple[str, ...]] = ("allreduce",)
+    per_tensor: ClassVar[bool] = False
+    identity: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "schemes" not in cls.__dict__:  # undeclared: the one scheme its collective gives
+            cls.schemes = (cls.collective,)
 
     def __init__(self, config: Any = None) -> None:
         self.config = config if config is not None else self.Config()
@@ -97,19 +133,24 @@ class Compressor(ABC):
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         """Exact payload bytes, summed over all rounds, for one tensor of ``shape``."""
 
-    # ----------------------------------------------------------------- buckets
+    # ----------------------------------------------------------------- buckets (the protocol)
     # The engine hands a compressor a whole bucket. Element-wise compressors see it as one flat
-    # tensor (the default below); PowerSGD overrides these to work per matrix, batched by shape.
+    # tensor (the defaults below); PowerSGD overrides these to work per matrix, batched by shape.
     def compress_batch(self, tensors: Sequence[Tensor], key: str = "") -> tuple[Payload, Any]:
+        """Encode a bucket (round 0). Does not modify ``tensors`` (error feedback keeps its own
+        memory); the payload may alias them (``none``), which the Exchange contract allows."""
         flat = flatten(tensors)
         payload, ctx = self.compress(flat, key)
         return payload, _BatchCtx(ctx, [t.shape for t in tensors])
 
     def next_round_batch(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
+        """Multi-round compressors: the next round's payload from the averaged one."""
         payload, inner = self.next_round(reduced, ctx.inner)
         return payload, _BatchCtx(inner, ctx.shapes)
 
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
+        """Decode the last round's payload (averaged, or one rank's for allgather) into tensors of
+        the bucket's shapes and dtypes."""
         return unflatten(self.decompress(payload, ctx.inner), ctx.shapes)
 
     def batch_payload_bytes(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
@@ -150,7 +191,7 @@ class Compressor(ABC):
 class BucketCompressor(Compressor):
     """Base for compressors whose native unit is a bucket of tensors (PowerSGD works per matrix,
     error feedback per tensor): they implement the ``*_batch`` methods, and a single tensor is a
-    bucket of one."""
+    bucket of one. Set ``per_tensor = True`` to receive one tensor per parameter."""
 
     def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:
         return self.compress_batch([tensor], key)

@@ -6,7 +6,9 @@ Same algorithm and contract as :mod:`gradzip.compress.fp16` (payload = the flat 
 bf16 has fp32's exponent range, so it does not overflow where fp32 would not, but only 8 bits of
 mantissa: relative rounding error up to 2^-8. ``biased = True`` in the strict sense (deterministic
 round-to-nearest); in practice the error is below SGD's noise. Tuning: prefer bf16 over fp16 when
-gradients can be large (no loss scaling); add ``ef=true`` to remove the rounding bias entirely.
+gradients can be large (no loss scaling). ``ef=true`` removes the rounding bias of each rank's own
+cast, per rank only: with 2 or more workers the averaged result is rounded to bf16 again by the
+reduction, outside every rank's error feedback.
 """
 
 from __future__ import annotations

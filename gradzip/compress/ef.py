@@ -8,7 +8,9 @@ Algorithm (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019), per k
 4. memory = compensated − transmitted                   (the new residual)
 
 Invariant: ``compensated == transmitted + memory``. For multi-round compressors (PowerSGD), steps
-3–4 happen on the last round's local payload (P Q_localᵀ), as in Vogels et al. 2019.
+3–4 happen on the last round's *local* payload (P Q_localᵀ). The authors' code (Vogels et al. 2019)
+and torch's PowerSGD hook keep the residual against the *reduced* Q instead; both choices leave
+the same mean residual over ranks, since the mean of the local Qs is the reduced Q.
 
 The memory is kept in fp32 whatever the gradient's dtype, so that small residuals of bf16/fp16
 gradients are not rounded away; the output is cast back to the gradient's dtype.
@@ -51,9 +53,12 @@ class ErrorFeedback(BucketCompressor):
         self.inner = inner
         self.memory: dict[str, list[Tensor]] = {}  # per key: views of self._flat[key]
         self._flat: dict[str, Tensor] = {}
-        # Mirror the inner compressor's declarations; EF makes any compressor biased-but-convergent.
+        # Delegate the inner compressor's declarations (the engine reads these, never .inner).
+        # Not `identity`: the payload is the compensated gradient, not the gradient.
         self.name = inner.name
         self.collective = inner.collective
+        self.schemes = inner.schemes
+        self.per_tensor = inner.per_tensor
         self.rounds = inner.rounds
         self.biased = inner.biased
         self.lossless = inner.lossless

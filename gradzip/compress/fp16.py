@@ -6,7 +6,9 @@ allreduce averages the payloads; decompress casts back to the gradient's dtype.
 
 ``biased = True``, strictly: round-to-nearest casting is deterministic, so E[C(x)] = C(x) != x.
 The relative error is at most 2^-11, far below SGD's noise, which is why fp16/bf16 are used without
-error feedback in practice (``ef=true`` removes even that bias).
+error feedback in practice. ``ef=true`` removes the bias of each rank's own cast, per rank only:
+with 2 or more workers the averaged result is rounded to fp16 again by the reduction, outside
+every rank's error feedback.
 
 Range: fp16 overflows above 65504 (to inf, which a GradScaler detects and skips, as in native fp16
 training). The Exchange reduces with op="mean": ``sim`` accumulates in fp32, and NCCL's average

@@ -16,6 +16,7 @@ class NoCompression(Compressor):
     collective = "allreduce"
     biased = False
     lossless = True
+    identity = True
     description = "no compression: allreduce of the gradient in its own dtype (fp32 in fp32 training)"
 
     def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, object]:

@@ -62,6 +62,7 @@ class PowerSGD(BucketCompressor):
     biased = True
     default_ef = True
     rounds = 2
+    per_tensor = True
     Config = PowerSGDConfig
     description = "rank-r factors P, Q by power iteration, warm-started, same-shape batching (Vogels et al. 2019)"
 
@@ -84,10 +85,10 @@ class PowerSGD(BucketCompressor):
         by_shape: dict[tuple[int, int, int], list[int]] = {}
         plain: list[int] = []
         for i, t in enumerate(tensors):
-            nmr = self._matrix(t.shape)
-            (by_shape.setdefault(nmr, []) if nmr else plain).append(i)
-        u = torch.cat([tensors[i].reshape(-1) for i in plain]) if plain else torch.empty(0, device=device)
-        ctx = LowRankCtx([t.shape for t in tensors], [t.dtype for t in tensors], [], plain, u)
+            dims = self._matrix(t.shape)
+            (by_shape.setdefault(dims, []) if dims else plain).append(i)
+        uncompressed = torch.cat([tensors[i].reshape(-1) for i in plain]) if plain else torch.empty(0, device=device)
+        ctx = LowRankCtx([t.shape for t in tensors], [t.dtype for t in tensors], [], plain, uncompressed)
         for (n, m, r), idx in by_shape.items():
             skey = f"{key}/{n}x{m}"
             step = self._steps[skey] = self._steps.get(skey, 0) + 1
@@ -110,7 +111,7 @@ class PowerSGD(BucketCompressor):
             for sel, mats in g.runs:
                 bmm_into(q, sel, mats.transpose(1, 2), g.p[sel])
             g.runs = []  # release the matrices
-        return (q_flat, ctx.u), ctx
+        return (q_flat, ctx.uncompressed), ctx
 
     @torch.no_grad()
     def decompress_batch(self, payload: Payload, ctx: LowRankCtx) -> list[Tensor]:
@@ -128,8 +129,11 @@ class PowerSGD(BucketCompressor):
 
 
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
-        nmr = self._matrix(shape)
-        return (nmr[0] + nmr[1]) * nmr[2] * 4 if nmr else numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+        dims = self._matrix(shape)
+        if dims is None:  # sent uncompressed
+            return numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+        n, m, r = dims
+        return (n + m) * r * 4
 
     def batch_payload_bytes(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
         return sum(self.payload_bytes(s, dtype) for s in shapes)

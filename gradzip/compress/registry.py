@@ -31,7 +31,6 @@ from gradzip.errors import SpecError
 _REGISTRY: dict[str, type[Compressor]] = {}
 _LOADED = False
 _WARNED: set[tuple[str, str]] = set()
-_NOT_COMPRESSORS = {"base", "registry", "ef", "bitpack", "select", "ls_cli"}
 
 
 def register(name: str):
@@ -42,6 +41,8 @@ def register(name: str):
             raise ValueError(f"compressor {name!r} registered twice ({_REGISTRY[name]} and {cls})")
         if cls.collective not in ("allreduce", "allgather"):
             raise ValueError(f"{cls.__name__}.collective must be 'allreduce' or 'allgather'")
+        if cls.collective not in cls.schemes:
+            raise ValueError(f"{cls.__name__}.schemes {cls.schemes} must include its collective {cls.collective!r}")
         if not dataclasses.is_dataclass(cls.Config):
             raise ValueError(f"{cls.__name__}.Config must be a dataclass")
         cls.name = name
@@ -55,8 +56,10 @@ def _load_all() -> None:
     global _LOADED
     if _LOADED:
         return
+    # Every public module of the package is imported; the @register decorator, not a list, decides
+    # what is a compressor (helpers such as bitpack or select simply register nothing).
     for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name not in _NOT_COMPRESSORS and not mod.name.startswith("_"):
+        if not mod.name.startswith("_"):
             importlib.import_module(f"gradzip.compress.{mod.name}")
     _LOADED = True
 

@@ -59,9 +59,8 @@ class GradzipHookState:
         self.comm = comm
         self.min_compress_numel = min_compress_numel
         self._plain = NoCompression()
-        self._split = type(self.compressor) is not NoCompression
-        inner = getattr(self.compressor, "inner", self.compressor)
-        self._per_tensor = type(inner).compress_batch is not Compressor.compress_batch
+        self._split = not self.compressor.identity
+        self._per_tensor = self.compressor.per_tensor
         self._pending: list[tuple[Tensor, list[Tensor], list[_Part], torch.futures.Future]] = []
         self._ordinal: dict[int, int] = {}  # id(parameter) -> order of first appearance (same on all ranks)
         self._layouts: dict[int, list[tuple[int, ...]]] = {}  # bucket index -> parameter layouts seen

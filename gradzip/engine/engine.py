@@ -90,12 +90,6 @@ class EngineConfig:
                                f"{self.min_compress_numel}")
 
 
-def _wants_per_tensor(c: Compressor) -> bool:
-    """True if the compressor (or the one inside error feedback) works per tensor."""
-    inner = getattr(c, "inner", c)
-    return type(inner).compress_batch is not Compressor.compress_batch
-
-
 class _Hook:
     """A hook that a copy of the model does not inherit: ``copy.deepcopy(model)`` (EMA models,
     reference replicas) gives an unattached model instead of trying to copy the engine."""
@@ -170,10 +164,10 @@ class Engine:
             raise GradzipError("attach: the model has no parameters with requires_grad=True")
         cap = max(1, int(self.config.bucket_cap_mb * MiB))
         self.buckets = assign_buckets(named, cap, self.config.min_compress_numel,
-                                      separate_small=type(base) is not NoCompression)
+                                      separate_small=not base.identity)
         self._empty = [p for p in self._trainable if p.numel() == 0]
         self._plain = NoCompression()
-        self._per_tensor = _wants_per_tensor(base)
+        self._per_tensor = base.per_tensor
         self._workers = [_Worker(c.rank, c, comp, self.buckets) for c, comp in zip(comms, compressors)]
         self._current: _Worker | None = None
         self._no_sync = False

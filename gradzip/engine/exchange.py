@@ -80,13 +80,6 @@ class Exchange:
             raise RuntimeError("Exchange.result() before the exchange finished")
         return self._result
 
-    def run(self) -> list[Tensor]:
-        """Synchronous convenience for one real rank: start, advance to the end, result."""
-        self.start()
-        while not self.advance():
-            pass
-        return self.result()
-
     # -- internals ----------------------------------------------------------------
     def _launch(self, payload: Payload) -> None:
         c = self.compressor

@@ -75,4 +75,4 @@ def run(args: argparse.Namespace) -> int:
     print(f"gradzip run {spec.name}: {spec.description}\n{len(spec.cells)} cells into {out}", flush=True)
     command = f"gradzip run {spec.name}" + (f" --out {args.out}" if args.out else "")
     results = sweep.run_sweep(spec, out, in_process=args.in_process, command=command)
-    return sweep.finish(spec, out, results, plot=not args.no_plot)
+    return sweep.finish(out, results, plot=not args.no_plot)

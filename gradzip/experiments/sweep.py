@@ -348,7 +348,7 @@ def summary_table(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
-def finish(spec: Spec, out: Path, results: list[CellResult], plot: bool = True) -> int:
+def finish(out: Path, results: list[CellResult], plot: bool = True) -> int:
     """Print the summary, then the results table and figure paths; return the exit code."""
     if launcher_rank() not in (None, 0):
         return 0 if all(r.status != "failed" for r in results) else 1
@@ -395,4 +395,4 @@ def run(args: argparse.Namespace) -> int:
         return dry_run(spec, out)
     command = f"gradzip sweep {args.spec}" + (f" --out {args.out}" if args.out else "")
     results = run_sweep(spec, out, in_process=args.in_process, command=command)
-    return finish(spec, out, results, plot=not args.no_plot)
+    return finish(out, results, plot=not args.no_plot)

@@ -165,28 +165,28 @@ class RunState:
     config: dict[str, Any]
 
 
-def save_run(directory: str | os.PathLike[str], st: RunState, rt: Any, keep: int) -> None:
+def save_run(directory: str | os.PathLike[str], st: RunState, runtime: Any, keep: int) -> None:
     """Write the checkpoint of step ``st.progress["step"]`` on every rank (shards first)."""
     step = int(st.progress["step"])
     own = {"engine": st.engine.state_dict(), "rng": st.rngs.state_dict(), "host_rng": host_rng_state()}
-    if rt.rank != 0:
-        save(directory, step, rt.rank, None, own, keep)
-    rt.barrier()  # every shard is on disk before rank 0's file marks the checkpoint complete
-    if rt.rank == 0:
+    if runtime.rank != 0:
+        save(directory, step, runtime.rank, None, own, keep)
+    runtime.barrier()  # every shard is on disk before rank 0's file marks the checkpoint complete
+    if runtime.rank == 0:
         shared = {
-            "world_size": rt.num_workers, "config": st.config, "progress": dict(st.progress),
+            "world_size": runtime.num_workers, "config": st.config, "progress": dict(st.progress),
             "model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
             "schedule": st.schedule.state_dict(), "scaler": st.precision.state_dict(),
         }
         save(directory, step, 0, shared, own, keep)
 
 
-def restore_run(directory: str | os.PathLike[str], st: RunState, rt: Any) -> bool:
+def restore_run(directory: str | os.PathLike[str], st: RunState, runtime: Any) -> bool:
     """Load the newest checkpoint into ``st`` (in place). False if there is none."""
     found = latest_checkpoint(directory)
     if found is None:
         return False
-    shared, own = load(directory, found[0], rt.rank, rt.num_workers)
+    shared, own = load(directory, found[0], runtime.rank, runtime.num_workers)
     try:
         st.model.load_state_dict(shared["model"])
         st.optimizer.load_state_dict(shared["optimizer"])

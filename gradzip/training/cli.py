@@ -36,7 +36,7 @@ from gradzip.training.launch import launch_in_testbed
 from gradzip.training.loop import train
 from gradzip.training.runtime import LAUNCH_MARKER, Runtime, build_data
 
-_D = TrainConfig()  # defaults, for the help texts
+DEFAULTS = TrainConfig()  # defaults, for the help texts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     def flag(group: Any, name: str, help: str, show_default: bool = True, **kw: Any) -> None:
         dest = kw.get("dest", name[2:].replace("-", "_"))
         if show_default:
-            d = getattr(_D, dest)
+            d = getattr(DEFAULTS, dest)
             help += f" (default {d:g})" if isinstance(d, float) else f" (default {d})"
         group.add_argument(name, default=argparse.SUPPRESS, help=help, **kw)
 

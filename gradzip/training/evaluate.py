@@ -18,7 +18,8 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def evaluate(model: nn.Module, data: Any, cfg: TrainConfig, prec: Precision, device: torch.device) -> dict[str, float]:
+def evaluate(model: nn.Module, data: Any, cfg: TrainConfig, precision: Precision,
+             device: torch.device) -> dict[str, float]:
     """Mean held-out loss over ``cfg.eval_batches`` batches. Uses no randomness of the run (the
     RNG is forked), so evaluating does not change the training that follows."""
     was_training = model.training
@@ -28,7 +29,7 @@ def evaluate(model: nn.Module, data: Any, cfg: TrainConfig, prec: Precision, dev
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for batch in data.eval_batches(batch_size=cfg.batch_size, max_batches=cfg.eval_batches):
-                with prec.autocast():
+                with precision.autocast():
                     out = model(**to_device(batch, device))
                 sums += [float(out.loss), float(out.mlm_loss), float(out.nsp_loss)]
                 n += 1

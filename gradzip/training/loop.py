@@ -46,75 +46,75 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     anything in ``cfg.out`` is created or changed."""
     # -- where we run: sim world or this rank's communicator; the output directory --------------
     cfg.check_runtime()
-    rt = create_runtime(cfg)
+    runtime = create_runtime(cfg)
     try:
-        if rt.comm is not None:  # the launcher decides the world size, not --workers
-            cfg = cfg.replace(workers=rt.num_workers)
-        cfg = cfg.replace(out=rt.broadcast_str(cfg.out or cfg.default_out()))
+        if runtime.comm is not None:  # the launcher decides the world size, not --workers
+            cfg = cfg.replace(workers=runtime.num_workers)
+        cfg = cfg.replace(out=runtime.broadcast_str(cfg.out or cfg.default_out()))
         out = checkpoint.check_out_dir(cfg)  # every rank checks before anyone writes
-        rt.barrier()
+        runtime.barrier()
 
         # -- data and model (same seed: same initial weights on every rank) --------------------
         seed_everything(cfg.seed)
-        data = build_data(cfg, rt)
+        data = build_data(cfg, runtime)
         model_cfg = bert_config(cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len))
-        model = BertForPreTraining(model_cfg).to(rt.device)
+        model = BertForPreTraining(model_cfg).to(runtime.device)
         params = [p for p in model.parameters() if p.requires_grad]
 
         # -- engine, optimizer, LR schedule, precision, per-worker RNG streams ----------------
-        engine = attach(model, cfg.compressor, rt.target, bucket_cap_mb=cfg.bucket_cap_mb,
+        engine = attach(model, cfg.compressor, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
                         min_compress_numel=cfg.min_compress_numel)
         optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
         schedule = WarmupDecay(optimizer, cfg.lr, cfg.warmup_steps, cfg.steps)
-        prec = Precision(cfg.precision, rt.device)
-        rngs = WorkerRNG(cfg.seed, list(engine.worker_ids), rt.device)
+        precision = Precision(cfg.precision, runtime.device)
+        rngs = WorkerRNG(cfg.seed, list(engine.worker_ids), runtime.device)
         progress: dict[str, Any] = {"step": 0, "tokens": 0, "samples": 0, "wall_s": 0.0, "host_s": 0.0,
                                     "initial_eval_loss": None}
-        state = checkpoint.RunState(model, optimizer, schedule, prec, engine, rngs, progress, cfg.to_dict())
+        state = checkpoint.RunState(model, optimizer, schedule, precision, engine, rngs, progress, cfg.to_dict())
 
         # -- resume: everything back to the newest checkpoint; drop later metrics --------------
         out.mkdir(parents=True, exist_ok=True)
         metrics_path = out / "metrics.jsonl"
-        if cfg.resume and checkpoint.restore_run(out, state, rt) and rt.is_main:
+        if cfg.resume and checkpoint.restore_run(out, state, runtime) and runtime.is_main:
             truncate_metrics(metrics_path, progress["step"])
-        if rt.is_main:
+        if runtime.is_main:
             write_toml(cfg, out / "config.toml")
             if progress["step"] == 0 and cfg.eval_batches:
-                progress["initial_eval_loss"] = evaluate(model, data, cfg, prec, rt.device).get("eval_loss")
-        log = MetricsLog(metrics_path, enabled=rt.is_main)
+                progress["initial_eval_loss"] = evaluate(model, data, cfg, precision, runtime.device).get("eval_loss")
+        log = MetricsLog(metrics_path, enabled=runtime.is_main)
 
         # -- the loop ----------------------------------------------------------------------------
-        last, n = cfg.stop_at or cfg.steps, rt.num_workers
-        bar = Progress(cfg.progress and rt.is_main, total=last, initial=progress["step"])
+        last, n = cfg.stop_at or cfg.steps, runtime.num_workers
+        bar = Progress(cfg.progress and runtime.is_main, total=last, initial=progress["step"])
         t_start = time.perf_counter() - progress["host_s"]
         model.train()
         while progress["step"] < last:
             step = progress["step"]
             lr = schedule.lr
-            losses = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss, mlm, nsp summed over workers
+            losses = torch.zeros(3, dtype=torch.float64, device=runtime.device)  # loss, mlm, nsp summed over workers
             tokens = samples = 0
             for w in engine.worker_ids:
                 with rngs.use(w), engine.worker(w):  # worker w: its dropout stream, its compressor state
                     for micro in range(cfg.accumulation):
                         batch = data.batch("train", step=step * cfg.accumulation + micro, worker=w,
-                                           num_workers=rt.num_workers, batch_size=cfg.batch_size, seed=cfg.seed)
+                                           num_workers=runtime.num_workers, batch_size=cfg.batch_size, seed=cfg.seed)
                         tokens += int(batch["attention_mask"].sum())
                         samples += int(batch["input_ids"].shape[0])
                         sync = micro == cfg.accumulation - 1  # exchange only after the last micro-batch
                         with contextlib.nullcontext() if sync else engine.no_sync():
-                            with prec.autocast():
-                                res = model(**to_device(batch, rt.device))
-                            prec.backward(res.loss / cfg.accumulation)
+                            with precision.autocast():
+                                res = model(**to_device(batch, runtime.device))
+                            precision.backward(res.loss / cfg.accumulation)
                         parts = torch.stack([res.loss, res.mlm_loss, res.nsp_loss]).detach().double()
                         losses += parts / cfg.accumulation
             stats = engine.finalize()  # averaged gradients are in p.grad now
             t_opt = time.perf_counter()
-            grad_norm = prec.step(optimizer, params, cfg.clip)
+            grad_norm = precision.step(optimizer, params, cfg.clip)
             schedule.step()
             opt_s = time.perf_counter() - t_opt
 
             # -- metrics (summed over ranks for real backends; not counted as exchange bytes) ---
-            loss, mlm, nsp, tokens, samples = rt.sum_over_ranks([*losses.tolist(), tokens, samples])
+            loss, mlm, nsp, tokens, samples = runtime.sum_over_ranks([*losses.tolist(), tokens, samples])
             progress["step"] = step = step + 1
             progress["tokens"] += int(tokens)
             progress["samples"] += int(samples)
@@ -126,29 +126,30 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
                 bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
                 clock=stats.clock, host_s=progress["host_s"])
-            if rt.is_main and cfg.eval_batches and (step == last or (cfg.eval_every and step % cfg.eval_every == 0)):
-                ev = evaluate(model, data, cfg, prec, rt.device)
-                rec.eval_loss, rec.eval_mlm_loss, rec.eval_nsp_loss = ev.get("eval_loss"), ev.get("eval_mlm_loss"), \
-                    ev.get("eval_nsp_loss")
+            eval_now = step == last or (cfg.eval_every and step % cfg.eval_every == 0)
+            if runtime.is_main and cfg.eval_batches and eval_now:
+                ev = evaluate(model, data, cfg, precision, runtime.device)
+                rec.eval_loss, rec.eval_mlm_loss, rec.eval_nsp_loss = (ev.get(k) for k in
+                                                                       ("eval_loss", "eval_mlm_loss", "eval_nsp_loss"))
             log.write(rec)
             bar.update(rec, tokens)
             every = cfg.checkpoint_every
             if (every and (step % every == 0 or step == cfg.steps)) or step == cfg.stop_at:
-                checkpoint.save_run(out, state, rt, cfg.keep_checkpoints)
+                checkpoint.save_run(out, state, runtime, cfg.keep_checkpoints)
         bar.close()
         log.close()
 
         # -- summary (from the whole metrics file, so resumed runs are covered) ------------------
-        if not rt.is_main:
-            return {"rank": rt.rank}
+        if not runtime.is_main:
+            return {"rank": runtime.rank}
         info = {"model": cfg.model, "compressor": cfg.compressor, "backend": cfg.backend, "workers": n,
                 "bandwidth": cfg.bandwidth, "latency": cfg.latency, "optimizer": cfg.optimizer,
                 "precision": cfg.precision, "batch_size": cfg.batch_size, "accumulation": cfg.accumulation,
                 "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed, "params": sum(p.numel() for p in params),
                 "initial_eval_loss": progress["initial_eval_loss"], "out": str(out)}
-        none_bytes = allreduce_bytes(4 * info["params"], rt.num_workers)  # fp32 ring allreduce of every gradient
+        none_bytes = allreduce_bytes(4 * info["params"], runtime.num_workers)  # fp32 ring allreduce of every gradient
         summary = summarize(read_metrics(metrics_path), info, none_bytes)
         write_summary(out, summary)
         return summary
     finally:
-        rt.close()
+        runtime.close()

@@ -110,10 +110,10 @@ def _local_rank(rank: int) -> int:
     return rank
 
 
-def build_data(cfg: TrainConfig, rt: Runtime) -> Any:
+def build_data(cfg: TrainConfig, runtime: Runtime) -> Any:
     """The data pipeline. Every rank calls it at once: the cache builders hold inter-process
     locks, so one process builds and the others wait on the lock and then load (no collective,
     so a long first build cannot hit the communicator's timeout)."""
     vocab = cfg.vocab_size or bert_config(cfg.model).vocab_size  # the model size's default vocabulary
     return PretrainData.build(corpus=cfg.corpus, seq_len=cfg.seq_len, vocab_size=vocab, seed=cfg.seed,
-                              progress=cfg.progress and rt.is_main, tokenizer=cfg.tokenizer)
+                              progress=cfg.progress and runtime.is_main, tokenizer=cfg.tokenizer)

@@ -1,4 +1,5 @@
-"""``gradzip ls``: list the registered compressors, their collective, bias, parameters and defaults.
+"""``gradzip ls``: list the registered compressors, their collective, bias, declared capabilities
+(schemes, per-tensor, identity), parameters and defaults.
 
 Every compressor file registered with :func:`gradzip.compress.registry.register` shows up without
 any edit here. ``--json`` prints the same as a machine-readable list.
@@ -33,6 +34,9 @@ def rows() -> list[dict[str, Any]]:
             "rounds": cls.rounds,
             "biased": cls.biased,
             "lossless": cls.lossless,
+            "schemes": list(cls.schemes),
+            "per_tensor": cls.per_tensor,
+            "identity": cls.identity,
             "parameters": [{"name": p, "type": t, "default": d} for p, t, d in describe(cls)],
             "description": cls.description,
         })
