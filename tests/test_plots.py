@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gradzip.cli import main
-from gradzip.plots.cli import make_report
+from gradzip.plots.report import make_report
 from gradzip.plots.figures import crossover
 from gradzip.plots.results import FIGURES, Target, load_runs, results_csv, results_markdown
 

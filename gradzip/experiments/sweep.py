@@ -57,7 +57,7 @@ from gradzip.comm.launch import detect_launcher_env
 from gradzip.errors import GradzipError
 from gradzip.experiments.spec import Cell, Spec, load_spec
 from gradzip.io import atomic_write_json
-from gradzip.plots.cli import make_report, print_report
+from gradzip.plots.report import make_report, print_report
 from gradzip.training.checkpoint import latest_checkpoint
 from gradzip.training.config import TrainConfig, load_toml, write_toml
 from gradzip.training.loop import train
