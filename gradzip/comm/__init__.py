@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from gradzip.comm.base import (
@@ -39,7 +40,5 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'gradzip.comm' has no attribute {name!r}")

@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
 OKABE_ITO = {
     "black": "#000000",
@@ -125,8 +126,6 @@ def save(fig, out_dir: Path, name: str) -> list[Path]:
 
 def log_y(ax) -> None:
     """Log y axis with plain numbers (1, 2, 5, 10, ... not 10^0, 2×10^0)."""
-    from matplotlib.ticker import FuncFormatter, LogLocator
-
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
     ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
