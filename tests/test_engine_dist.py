@@ -55,12 +55,12 @@ def tmp_root(tmp_path_factory, request) -> str:
     ``--count N`` (pytest-repeat), so that a stress run really launches N times."""
     rep = getattr(request.node, "callspec", None)
     step = rep.params.get("__pytest_repeat_step_number", 0) if rep else 0
-    return _root(tmp_path_factory, step)
+    if step not in _ROOTS:
+        _ROOTS[step] = str(tmp_path_factory.mktemp(f"engine_dist{step}"))
+    return _ROOTS[step]
 
 
-@functools.cache
-def _root(factory, step: int) -> str:
-    return str(factory.mktemp(f"engine_dist{step}"))
+_ROOTS: dict[int, str] = {}
 
 
 def run(backend: str, n: int, tmp: str) -> dict[int, dict]:
