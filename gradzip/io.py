@@ -9,18 +9,34 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+TEMP_SUFFIX = ".gztmp"  # the ending of atomic_write's temporary files
+
+
+def _create_temp(p: Path) -> tuple[int, Path]:
+    """A new temporary file next to ``p``, created exclusively and without following symlinks
+    (``O_EXCL | O_NOFOLLOW``, random name): a link planted in a shared directory cannot redirect
+    the write. The mode is the usual 0o666 less the umask, like a file opened with ``open``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None], durable: bool = False) -> None:
     """Call ``write(file)`` on a temporary file next to ``path``, then rename it over ``path``.
     ``durable=True`` also fsyncs the file and its directory (checkpoints)."""
     p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    fd, tmp = _create_temp(p)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
             if durable:
                 f.flush()
@@ -31,13 +47,23 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
         raise
     if durable:  # make the rename itself durable
         try:
-            fd = os.open(p.parent, os.O_RDONLY)
+            dfd = os.open(p.parent, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                os.fsync(dfd)
             finally:
-                os.close(fd)
+                os.close(dfd)
         except OSError:
             pass
+
+
+def stale_temps(directory: str | os.PathLike[str], stem: str = "") -> list[Path]:
+    """Temporary files that :func:`atomic_write` left in ``directory`` (a process killed mid-write),
+    for targets whose name starts with ``stem``."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(q for q in d.iterdir() if q.name.startswith(f".{stem}") and q.name.endswith(TEMP_SUFFIX)
+                  and q.is_file() and not q.is_symlink())
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, durable: bool = False) -> None:

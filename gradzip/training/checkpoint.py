@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from gradzip.errors import GradzipError
-from gradzip.io import atomic_write
+from gradzip.io import atomic_write, stale_temps
 from gradzip.training.config import TrainConfig, load_toml
 
 FORMAT = "gradzip-checkpoint"
@@ -200,6 +201,18 @@ def restore_run(directory: str | os.PathLike[str], st: RunState, runtime: Any) -
                            "resume with the settings it was written with") from None
     st.progress.update(shared["progress"])
     return True
+
+
+def remove_stale_temps(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files of checkpoint saves that a kill interrupted (they can be hundreds
+    of MB each). Call before any rank saves; returns what was removed."""
+    gone = stale_temps(directory, "ckpt-")
+    for q in gone:
+        q.unlink(missing_ok=True)
+    if gone:
+        warnings.warn(f"removed {len(gone)} temporary file(s) of interrupted checkpoint saves in {directory}",
+                      stacklevel=2)
+    return gone
 
 
 # ---------------------------------------------------------------------- output directory

@@ -53,6 +53,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         cfg = cfg.replace(out=runtime.broadcast_str(cfg.out or cfg.default_out()))
         out = checkpoint.check_out_dir(cfg)  # every rank checks before anyone writes
         runtime.barrier()
+        if runtime.is_main:  # no rank saves before the first step's collectives
+            checkpoint.remove_stale_temps(out)
 
         # -- data and model (same seed: same initial weights on every rank) --------------------
         seed_everything(cfg.seed)
