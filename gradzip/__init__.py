@@ -1,16 +1,19 @@
 """gradzip: communication-efficient distributed training.
 
 Sub-packages (one import package so that a single ``pip install`` gives every part and the
-parts share one registry, one units parser and one cost model):
+parts share one registry, one units parser and one cost model), bottom to top:
 
 - :mod:`gradzip.compress`    compressors, error feedback, the registry of specs
 - :mod:`gradzip.comm`        the Communicator contract and its backends (sim, torch, mpi)
+- :mod:`gradzip.cluster`     the bucket plan, the one step-time model, ``gradzip simulate``
 - :mod:`gradzip.engine`      attaches compression + communication to any ``nn.Module``
 - :mod:`gradzip.models`      BERT for masked-LM pretraining
 - :mod:`gradzip.data`        corpus, tokenizer and example pipeline
-- :mod:`gradzip.experiments` ``gradzip train``/``sweep``/``run``, specs
+- :mod:`gradzip.netem`       the network testbed (namespaces + tc)
+- :mod:`gradzip.training`    the training program, ``gradzip train``
 - :mod:`gradzip.plots`       figures and results tables
-- :mod:`gradzip.netem`       network testbed (namespaces + tc) and the cluster simulator
+- :mod:`gradzip.experiments` the experiment runner: specs, ``gradzip sweep``/``run``
+- :mod:`gradzip.bench`       ``gradzip bench`` and the simulator's validation
 """
 
 __version__ = "0.1.0"
@@ -26,6 +29,7 @@ def ddp_hook(spec: str, process_group=None, **kwargs):
 
     Keyword arguments (``min_compress_numel``, ``timeout``) go to :func:`gradzip.engine.ddp.ddp_hook`.
     """
+    # Imported on use, so that `import gradzip` (the CLI reads __version__) does not load torch.
     from gradzip.engine.ddp import ddp_hook as _ddp_hook
 
     return _ddp_hook(spec, process_group=process_group, **kwargs)

@@ -397,7 +397,7 @@ def _nonneg(text: str, flag: str) -> float:
 
 # ------------------------------------------------------------------------------ CLI
 EPILOG = __doc__.split("\n\n", 1)[1] + """
-Example (the README's projection):
+Example (the projection in docs/simulator.md):
   gradzip simulate --model bert-large --nodes 8 --gpus-per-node 4 --inter-bandwidth 10gbit \\
       --intra-bandwidth 100gbit --tokens-per-second 5600 --batch-size 32 --seq-len 128 \\
       --compressor none --compressor fp16 --compressor topk:ratio=0.01,ef=true --tokens 16.75e9 --epochs 40
