@@ -1,9 +1,12 @@
 """Data pipeline: corpus sources and their errors, tokenizer, pair examples (NSP), masking
-statistics, deterministic sharding, caching. Small corpora are written to tmp dirs; one test
-builds the default corpus in the user's cache (reused by later runs and by the training tests)."""
+statistics, deterministic sharding, caching, and the suite's own cache (conftest). Small corpora
+are written to tmp dirs; one test builds the default corpus, in a temporary cache of its own."""
 
 import hashlib
 import json
+import os
+import shutil
+import subprocess
 import sys
 import types
 
@@ -68,6 +71,29 @@ def test_cache_root_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "gz"))
     assert cache_root() == tmp_path / "gz"
     assert cache_root(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_conftest_computes_the_cache_root_as_the_library_does(tmp_path, monkeypatch):
+    from conftest import user_cache_path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for gz, xdg in ((None, None), (None, tmp_path / "xdg"), (tmp_path / "gz", tmp_path / "xdg")):
+        for var, value in (("GRADZIP_CACHE", gz), ("XDG_CACHE_HOME", xdg)):
+            if value is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, str(value))
+        expected = user_cache_path()
+        assert not expected.exists()  # computed, not created
+        assert cache_root() == expected
+
+
+def test_the_suite_uses_its_own_cache_and_children_inherit_it(session_cache, user_cache):
+    assert cache_root() == session_cache and os.environ["GRADZIP_CACHE"] == str(session_cache)
+    assert not session_cache.is_relative_to(user_cache) and not user_cache.is_relative_to(session_cache)
+    child = subprocess.run([sys.executable, "-c", "from gradzip.data import cache_root; print(cache_root())"],
+                           capture_output=True, text=True, timeout=60, check=True)
+    assert child.stdout.strip() == str(session_cache)
 
 
 def test_text_and_jsonl_sources(tmp_path):
@@ -337,14 +363,18 @@ def test_examples_are_cached_not_rebuilt(small, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# The default corpus (built once per environment in the user's cache; the training tests reuse it)
+# The default corpus: the one test that builds it (other tests train on the `corpus` fixture), in
+# a cache of its own, never the user's (a user's cache may hold it already, or be in use).
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_default_corpus():
+def test_default_corpus(tmp_path, monkeypatch):
+    own = tmp_path / "cache"
+    monkeypatch.setenv("GRADZIP_CACHE", str(own))
     data = PretrainData.build(progress=False)
     c = data.corpus
+    assert c.directory.parent == own / "corpora" and c.directory.name.startswith("default-")
     assert c.source == "default" and c.num_bytes >= 10_000_000
     assert c.fingerprint == hashlib.sha256(c.text_path.read_bytes()).hexdigest()
     lines = [ln for ln in c.text_path.read_text(encoding="utf-8").splitlines() if ln]
@@ -356,3 +386,4 @@ def test_default_corpus():
     b = data.batch("train", step=0, batch_size=4)
     text = data.tokenizer.decode(b["input_ids"][0])
     assert len(text.split()) > 5
+    shutil.rmtree(own)  # ~60 MB; pytest keeps the tmp dirs of the last runs

@@ -266,16 +266,6 @@ def test_a_burst_sent_right_after_up_arrives_whole(prefix, hosts):
 
 
 # ------------------------------------------------------------------------------ training in the testbed
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A small corpus of real English (the stdlib's pydoc topics), so no download and a quick tokenizer."""
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n\n".join(t.strip() for _, t in sorted(topics.items()))[:150_000], encoding="utf-8")
-    return path
-
-
 def test_netem_spelling():
     from gradzip.netem.spec import parse_netem
 
@@ -309,7 +299,7 @@ def test_two_host_training_on_a_shaped_link(prefix, corpus, tmp_path, monkeypatc
     is still up afterwards with its own shaping restored."""
     tb.up(3, Shaping(1e9), prefix=prefix)
     out = tmp_path / "run"
-    env = {"GRADZIP_NETEM_PREFIX": prefix, "GRADZIP_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {"GRADZIP_NETEM_PREFIX": prefix, "OMP_NUM_THREADS": "1"}  # the suite's cache and corpus (conftest)
     p = gradzip("train", "--backend", "gloo", "--netem", "2:50mbit", "--model", "bert-tiny", "--vocab-size", "512",
                 "--corpus", str(corpus), "--seq-len", "32", "--batch-size", "4", "--steps", "3", "--eval-batches",
                 "0", "--checkpoint-every", "0", "--no-progress", "--out", str(out), env=env)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from gradzip.cli import main
-from gradzip.plots.report import make_report
 from gradzip.plots.figures import crossover
+from gradzip.plots.report import make_report
 from gradzip.plots.results import FIGURES, Target, load_runs, results_csv, results_markdown
 
 RATIO = {"none": 1.0, "fp16": 2.0, "topk:ratio=0.01,ef=true": 50.0}

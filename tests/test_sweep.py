@@ -34,23 +34,6 @@ progress = false
 """
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A small corpus of real English: the stdlib's pydoc topics (one document per topic)."""
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    docs = [t.strip() for _, t in sorted(topics.items())]
-    path.write_text("\n\n".join(docs)[:150_000], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    # Keep corpus/tokenizer caches of these tests out of the user's cache (children inherit it).
-    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path_factory.getbasetemp() / "gradzip-cache"))
-
-
 def write_spec(path: Path, body: str) -> Path:
     path.write_text(body, encoding="utf-8")
     return path

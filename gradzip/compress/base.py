@@ -248,6 +248,19 @@ def _consecutive_span(tensors: Sequence[Tensor]) -> Tensor | None:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,))
 
 
+def cast_saturating(t: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """``t`` cast to ``dtype``, with finite values clamped to ``dtype``'s range, so that rounding on
+    the wire (bf16 rounds 65504 up to 65536) never turns a finite fp16 gradient into inf; inf and
+    NaN stay what they are (a GradScaler must still see them). A plain cast when ``dtype`` holds
+    every value of ``t.dtype``."""
+    if dtype == t.dtype or not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
+        return t.to(dtype) if out is None else out.copy_(t)
+    big = torch.finfo(dtype).max
+    wide = t.float()  # clamp in fp32: bf16 cannot even hold fp16's max
+    clamped = torch.where(torch.isfinite(wide), wide.clamp(-big, big), wide)
+    return clamped.to(dtype) if out is None else out.copy_(clamped)
+
+
 def unflatten(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
     """Views of ``flat`` with the given shapes."""
     out, offset = [], 0

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import BucketCompressor, Compressor, Payload, flatten, unflatten
+from gradzip.compress.base import BucketCompressor, Compressor, Payload, cast_saturating, flatten, unflatten
 
 
 @dataclass
@@ -120,7 +120,7 @@ class ErrorFeedback(BucketCompressor):
 
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
         out = self.inner.decompress_batch(payload, ctx.inner)
-        return [o.to(d) for o, d in zip(out, ctx.dtypes)]
+        return [cast_saturating(o, d) for o, d in zip(out, ctx.dtypes)]
 
     def aggregate(self, tensors: list[Tensor]) -> Tensor:
         return self.inner.aggregate(tensors)

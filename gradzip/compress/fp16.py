@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import Compressor, Payload, numel_of
+from gradzip.compress.base import Compressor, Payload, cast_saturating, numel_of
 from gradzip.compress.bitpack import empty
 from gradzip.compress.registry import register
 
@@ -62,7 +62,7 @@ class Cast(Compressor):
         wire = payload[0]
         if wire.dtype == dtype:
             return wire.view(shape)
-        return self._buffer(key, "out", wire, dtype).copy_(wire).view(shape)
+        return cast_saturating(wire, dtype, self._buffer(key, "out", wire, dtype)).view(shape)
 
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         return numel_of(shape) * torch.empty((), dtype=self.wire_dtype).element_size()
