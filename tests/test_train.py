@@ -92,6 +92,10 @@ def test_bad_config_file_is_one_line_error(tmp_path, capsys):
     (tmp_path / "bad2.toml").write_text("steps = [\n")
     assert main(["train", "--config", str(tmp_path / "bad2.toml")]) == 2
     assert "not valid TOML" in capsys.readouterr().err
+    (tmp_path / "twice.toml").write_text("batch_size = 4\nbatch-size = 8\n")  # one setting, two spellings
+    assert main(["train", "--config", str(tmp_path / "twice.toml"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'batch_size' and 'batch-size' are the same setting" in err
     assert not (tmp_path / "o").exists()
 
 
@@ -247,6 +251,10 @@ def test_resume_gives_identical_losses(tmp_path, tiny, compressor):
         assert train_cli("--out", str(part), "--resume") == 0
         assert [r["step"] for r in read_metrics(part / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
         assert computed(part) == computed(full)
+        # A shorter --steps on a finished run is refused, and nothing in it changes (no history rewritten).
+        before = {q.name: q.read_bytes() for q in part.iterdir()}
+        assert train_cli("--out", str(part), "--resume", "--steps", "2") == 2
+        assert {q.name: q.read_bytes() for q in part.iterdir()} == before
     else:
         assert summary["compression_ratio"] > 5  # bytes really were compressed
 
@@ -314,6 +322,20 @@ def test_existing_out_is_refused_and_untouched(tmp_path, tiny, capsys):
     assert train_cli("--out", str(run), "--resume", "--compressor", "topk:ratio=0.1") == 2
     assert "used different settings (--compressor 'topk:ratio=0.1' vs 'none')" in capsys.readouterr().err
     assert listing(run) == before
+
+
+def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, tiny):
+    """A kill can leave the newest checkpoint unusable (here: truncated): --resume warns, naming it,
+    continues from the previous good one, and reaches the losses of the uninterrupted run."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = [*tiny, "--steps", "4", "--checkpoint-every", "1"]
+    assert train_cli(*args, "--out", str(full)) == 0
+    assert train_cli(*args, "--stop-at", "3", "--out", str(part)) == 0
+    newest = part / "ckpt-00000003.pt"
+    newest.write_bytes(newest.read_bytes()[:2048])
+    with pytest.warns(UserWarning, match=r"skipped unreadable checkpoint\(s\) ckpt-00000003.pt; resuming from step 2"):
+        assert train_cli("--out", str(part), "--resume") == 0
+    assert losses(part) == losses(full) and [r["step"] for r in read_metrics(part / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_truncated_or_foreign_checkpoint_is_a_clear_error(tmp_path, tiny, capsys):

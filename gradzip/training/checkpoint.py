@@ -89,19 +89,24 @@ def save(directory: str | os.PathLike[str], step: int, rank: int, shared: dict[s
     return path
 
 
+class UnreadableCheckpoint(GradzipError):
+    """A checkpoint file that is missing, truncated or not gradzip's: ``--resume`` falls back past it."""
+
+
 def read(path: Path, rank: int = 0) -> dict[str, Any]:
-    """Load one checkpoint file; any problem is a one-line :class:`GradzipError`."""
+    """Load one checkpoint file; any problem is a one-line :class:`GradzipError`
+    (:class:`UnreadableCheckpoint` when the file itself is unusable)."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise GradzipError(f"checkpoint {path} is missing") from None
+        raise UnreadableCheckpoint(f"checkpoint {path} is missing") from None
     except Exception as e:  # truncated zip, pickle error, foreign object: all are "unusable"
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
         why = next((ln for ln in lines if "Unpickler error" in ln), lines[0])[:200]
-        raise GradzipError(f"checkpoint {path} is truncated or not a gradzip checkpoint ({why}); "
+        raise UnreadableCheckpoint(f"checkpoint {path} is truncated or not a gradzip checkpoint ({why}); "
                            "delete it to resume from an earlier one, or start a new --out") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise GradzipError(f"{path} is not a gradzip checkpoint (no {FORMAT!r} marker); "
+        raise UnreadableCheckpoint(f"{path} is not a gradzip checkpoint (no {FORMAT!r} marker); "
                            "point --out at a directory written by gradzip train")
     if obj.get("version") != VERSION:
         raise GradzipError(f"checkpoint {path} has format version {obj.get('version')}, "
@@ -122,7 +127,7 @@ def load(directory: str | os.PathLike[str], step: int, rank: int, world_size: in
         return main["shared"], main["own"]
     shard_path = checkpoint_path(directory, step, rank)
     if not shard_path.exists():
-        raise GradzipError(f"checkpoint step {step} lacks rank {rank}'s shard {shard_path.name}; "
+        raise UnreadableCheckpoint(f"checkpoint step {step} lacks rank {rank}'s shard {shard_path.name}; "
                            "every rank must see the same --out directory (a shared file system)")
     shard = read(shard_path, rank)
     if shard["step"] != step:
@@ -182,12 +187,37 @@ def save_run(directory: str | os.PathLike[str], st: RunState, runtime: Any, keep
         save(directory, step, 0, shared, own, keep)
 
 
+def _newest_loadable(directory: str | os.PathLike[str], runtime: Any) -> tuple[tuple[int, Path], dict, dict]:
+    """The newest checkpoint whose files load on every rank. Every rank tries the same steps,
+    newest first, and one tiny collective per try says whether all of them could read theirs."""
+    everyone = 1.0 if runtime.comm is None else float(runtime.comm.world_size)
+    skipped: list[str] = []
+    first_error: GradzipError | None = None
+    for step, path in reversed(list_checkpoints(directory, 0)):
+        try:
+            shared, own = load(directory, step, runtime.rank, runtime.num_workers)
+            ok = 1.0
+        except UnreadableCheckpoint as e:
+            shared, own, ok = {}, {}, 0.0
+            first_error = first_error or e
+        if runtime.sum_over_ranks([ok])[0] == everyone:
+            if skipped and runtime.rank == 0:
+                warnings.warn(f"--resume: skipped unreadable checkpoint(s) {', '.join(skipped)}; "
+                              f"resuming from step {step}", stacklevel=3)
+            return (step, path), shared, own
+        skipped.append(path.name)
+    if first_error is not None:
+        raise first_error
+    raise GradzipError(f"--resume: no checkpoint in {directory} loads on every rank (another rank's files "
+                       "are unreadable; see its message)")
+
+
 def restore_run(directory: str | os.PathLike[str], st: RunState, runtime: Any) -> bool:
-    """Load the newest checkpoint into ``st`` (in place). False if there is none."""
-    found = latest_checkpoint(directory)
-    if found is None:
+    """Load the newest checkpoint that every rank can read into ``st`` (in place), warning about
+    the newer ones skipped. False if there is none at all."""
+    if latest_checkpoint(directory) is None:
         return False
-    shared, own = load(directory, found[0], runtime.rank, runtime.num_workers)
+    found, shared, own = _newest_loadable(directory, runtime)
     try:
         st.model.load_state_dict(shared["model"])
         st.optimizer.load_state_dict(shared["optimizer"])
@@ -227,9 +257,14 @@ def check_out_dir(cfg: TrainConfig) -> Path:
         raise GradzipError(f"--out {out} exists and is not empty; pass --resume to continue that run, "
                            "or choose another --out")
     if cfg.resume and nonempty:
-        if latest_checkpoint(out) is None:
+        found = latest_checkpoint(out)
+        if found is None:
             raise GradzipError(f"--resume: {out} holds no checkpoint (ckpt-*.pt) to continue from; "
                                "run with --checkpoint-every N, or choose another --out")
+        if cfg.steps < found[0]:  # a shorter run would rewrite history: its config would contradict the files
+            raise GradzipError(f"--resume --steps {cfg.steps}: the run in {out} has done {found[0]} steps; "
+                               f"resume with --steps {found[0]} or more (more extends its schedule), "
+                               "or choose another --out")
     saved = out / "config.toml"
     if cfg.resume and saved.exists():
         old = TrainConfig.from_dict(load_toml(saved), source=str(saved))

@@ -244,10 +244,14 @@ def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise GradzipError(f"{p}: not valid TOML: {e}") from None
     out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for key, value in data.items():
         if isinstance(value, dict):
             raise GradzipError(f"{p}: [{key}] tables are not allowed: use flat `key = value` lines as the flags")
-        out[_field_name(key, str(p))] = value
+        name = _field_name(key, str(p))
+        if name in out:  # `batch_size` and `batch-size`: one setting, written twice
+            raise GradzipError(f"{p}: {spelled[name]!r} and {key!r} are the same setting; keep one of them")
+        out[name], spelled[name] = value, key
     return out
 
 
