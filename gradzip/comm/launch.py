@@ -56,6 +56,23 @@ class LauncherEnv:
     launcher: str  # "torchrun" | "gradzip" (spawn_local) | "mpirun" | "slurm" | "none"
     local_world_size: int | None = None
 
+    def __post_init__(self) -> None:
+        # Range checks before any c10d call: a bad value there waits out a timeout, then prints
+        # pages of C++ frames. The variable names are the launcher's (torchrun's spelling otherwise).
+        ws, rk = ("WORLD_SIZE", "RANK") if self.launcher in ("torchrun", "gradzip", "none") else (
+            ("OMPI_COMM_WORLD_SIZE/PMI_SIZE", "OMPI_COMM_WORLD_RANK/PMI_RANK") if self.launcher == "mpirun"
+            else ("SLURM_NTASKS", "SLURM_PROCID"))
+        if self.world_size is None or self.world_size < 1:
+            raise GradzipError(f"{ws}={self.world_size} from the {self.launcher} environment: the world size "
+                               "must be a positive number of ranks")
+        if self.rank is None or not 0 <= self.rank < self.world_size:
+            raise GradzipError(f"{rk}={self.rank} is outside 0..{self.world_size - 1} ({ws}={self.world_size}): "
+                               "each rank needs a distinct RANK below the world size")
+        if self.local_rank < 0:
+            raise GradzipError(f"LOCAL_RANK={self.local_rank} must not be negative")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise GradzipError(f"MASTER_PORT={self.master_port} is not a TCP port (1..65535)")
+
     @property
     def external(self) -> bool:
         """True when some launcher started this process (so the world size comes from it)."""
@@ -199,6 +216,11 @@ def init_communicator(backend: str, timeout: float = DEFAULT_TIMEOUT_S) -> Commu
         raise GradzipError(f"{env.launcher}: rendezvous address unknown: set MASTER_ADDR to rank 0's host")
     if port is None:
         port = free_port() if env.world_size == 1 else 29500
+    try:  # before any c10d call, which would retry an unknown host until the timeout
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise GradzipError(f"MASTER_ADDR={addr!r} does not resolve ({e}): set it to rank 0's host name or "
+                           "address") from None
     device = None
     if b == "nccl":
         if not torch.cuda.is_available():

@@ -1,0 +1,100 @@
+"""Bad input, table-driven: each case runs the real ``gradzip`` entry point in this process and must
+exit 2 with one line on stderr that names the problem, print no traceback, and leave every file
+in the working directory as it was (compared by SHA-256)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from gradzip.cli import main
+
+SIM = ["simulate", "--tokens-per-second", "5600"]
+TRAIN = ["train", "--model", "bert-tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--no-progress"]
+
+# (id, argv, environment, files to create {name: text}, a fragment of the message)
+CASES = [
+    ("rank-negative", TRAIN + ["--backend", "gloo"], {"RANK": "-1", "WORLD_SIZE": "2"}, {},
+     "RANK=-1 is outside 0..1"),
+    ("rank-too-big", TRAIN + ["--backend", "gloo"], {"RANK": "5", "WORLD_SIZE": "2"}, {}, "RANK=5 is outside 0..1"),
+    ("world-zero", TRAIN + ["--backend", "gloo"], {"RANK": "0", "WORLD_SIZE": "0"}, {},
+     "WORLD_SIZE=0 from the torchrun environment"),
+    ("rank-not-int", TRAIN + ["--backend", "gloo"], {"RANK": "one", "WORLD_SIZE": "2"}, {},
+     "RANK='one' is not an integer"),
+    ("port-out-of-range", TRAIN + ["--backend", "gloo"], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"},
+     {}, "MASTER_PORT=99999 is not a TCP port"),
+    ("master-addr-unresolvable", TRAIN + ["--backend", "gloo"],
+     {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29511"}, {},
+     "MASTER_ADDR='no-such-host.invalid' does not resolve"),
+    ("mpi-rank-too-big", TRAIN + ["--backend", "gloo"], {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "2"},
+     {}, "OMPI_COMM_WORLD_RANK/PMI_RANK=3 is outside 0..1"),
+    ("slurm-world-negative", TRAIN + ["--backend", "gloo"], {"SLURM_PROCID": "0", "SLURM_NTASKS": "-4"}, {},
+     "SLURM_NTASKS=-4"),
+    ("toml-two-spellings", ["train", "--config", "c.toml"], {}, {"c.toml": "batch_size = 4\nbatch-size = 8\n"},
+     "'batch_size' and 'batch-size' are the same setting"),
+    ("toml-unknown-key", ["train", "--config", "c.toml"], {}, {"c.toml": "batchsize = 4\n"},
+     "unknown key 'batchsize'"),
+    ("toml-table", ["train", "--config", "c.toml"], {}, {"c.toml": "[model]\nname = 'x'\n"}, "tables are not allowed"),
+    ("toml-broken", ["train", "--config", "c.toml"], {}, {"c.toml": "steps = [\n"}, "not valid TOML"),
+    ("toml-wrong-type", ["train", "--config", "c.toml"], {}, {"c.toml": "steps = 'many'\n"}, "steps must be"),
+    ("config-missing", ["train", "--config", "missing.toml"], {}, {}, "missing.toml"),
+    ("out-is-a-file", TRAIN + ["--out", "f.txt"], {}, {"f.txt": "mine"}, "exists and is not a directory"),
+    ("out-not-empty", TRAIN + ["--out", "d"], {}, {"d/keep.txt": "mine"}, "exists and is not empty"),
+    ("resume-nothing", TRAIN + ["--out", "d", "--resume"], {}, {"d/keep.txt": "mine"}, "holds no checkpoint"),
+    ("unknown-compressor", TRAIN + ["--compressor", "zip9"], {}, {}, "unknown compressor 'zip9'"),
+    ("compressor-bad-param", TRAIN + ["--compressor", "topk:ratio=2"], {}, {}, "topk"),
+    ("compressor-unknown-param", TRAIN + ["--compressor", "topk:k=3"], {}, {}, "unknown parameter"),
+    ("unknown-model", TRAIN + ["--model", "bert-gigantic"], {}, {}, "--model"),
+    ("netem-with-sim", TRAIN + ["--netem", "2:1gbit"], {}, {}, "needs --backend gloo or mpi"),
+    ("netem-spelling", TRAIN + ["--backend", "gloo", "--netem", "2:fast"], {}, {}, "--netem"),
+    ("negative-steps", TRAIN + ["--steps", "-3"], {}, {}, "steps"),
+    ("seq-len-too-long", TRAIN + ["--seq-len", "4096"], {}, {}, "must be <= 512"),
+    ("bandwidth-garbage", TRAIN + ["--bandwidth", "fast"], {}, {}, "bandwidth"),
+    ("nccl-on-cpu", TRAIN + ["--backend", "nccl"], {}, {}, "nccl"),
+    ("simulate-bad-bandwidth", SIM + ["--inter-bandwidth", "lots"], {}, {}, "bandwidth"),
+    ("simulate-bad-overlap", SIM + ["--overlap", "1.5"], {}, {}, "--overlap must be in [0, 1]"),
+    ("simulate-unknown-compressor", SIM + ["--compressor", "zip9"], {}, {}, "unknown compressor"),
+    ("plot-missing-dir", ["plot", "nowhere"], {}, {}, "nowhere"),
+    ("sweep-missing-spec", ["sweep", "nope.toml"], {}, {}, "nope.toml"),
+    ("run-unknown-spec", ["run", "no-such-spec"], {}, {}, "no-such-spec"),
+    ("bench-compress-bad-numel", ["bench", "compress", "--numel", "0"], {}, {}, "numel"),
+    ("netem-bad-rate", ["netem", "up", "--prefix", "badin", "--rate=-1gbit"], {}, {}, "bandwidth must be positive"),
+    ("simulate-missing-flag", ["simulate"], {}, {}, "--tokens-per-second"),
+    ("train-unknown-flag", ["train", "--learning-rate", "1"], {}, {}, "unrecognized arguments"),
+    ("netem-bad-subnet", ["netem", "up", "--prefix", "badin", "--subnet", "192.168.0.0/24"], {}, {},
+     "outside the benchmarking range"),
+]
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_STEP_NUM_TASKS", "GRADZIP_LAUNCHER")
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("argv, env, files, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(argv, env, files, needle, tmp_path, monkeypatch, capsys):
+    for k in LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    before = _hashes(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors (unknown or missing flags): one line, exit 2
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, f"exit {code}, stderr: {err[-2000:]}"
+    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line: {err!r}"
+    assert "Traceback" not in err and needle in err, err
+    assert _hashes(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({Path(n).parts[0] for n in files})
