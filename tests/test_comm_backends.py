@@ -280,7 +280,7 @@ def test_detect_slurm():
     assert e.master_port == detect_launcher_env(dict(env, SLURM_PROCID="0")).master_port
     assert detect_launcher_env(dict(env, SLURM_STEP_NODELIST="n[3-4]")).master_addr == "n3"
     assert detect_launcher_env(dict(env, MASTER_ADDR="head")).master_addr == "head"
-    assert detect_launcher_env(dict(env, SLURM_STEP_NUM_TASKS="4")).world_size == 4
+    assert detect_launcher_env(dict(env, SLURM_STEP_NUM_TASKS="6")).world_size == 6  # the step's, not the job's
 
 
 def test_detect_nothing():
