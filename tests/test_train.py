@@ -403,3 +403,45 @@ def test_tokenizer_file_flag_reuses_a_given_vocabulary(tmp_path, tiny, corpus):
                      "--out", str(tmp_path / "given")) == 0
     assert losses(tmp_path / "given") == losses(tmp_path / "trained")
     assert load_toml(tmp_path / "given" / "config.toml")["tokenizer"] == str(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("flag, rank0, rank1", [("--lr", "0.001", "0.002"), ("--steps", "2", "3")])
+def test_ranks_started_with_different_settings_stop_at_start(tmp_path, tiny, flag, rank0, rank1):
+    """Two ranks under an external launcher (RANK/WORLD_SIZE set by hand, as torchrun would) with
+    one setting differing: both stop at start-up, exit 2, with one line naming the field and ranks;
+    nothing is written."""
+    from gradzip.comm.launch import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    procs = [subprocess.Popen([sys.executable, "-m", "gradzip", "train", "--backend", "gloo", *tiny, "--steps", "2",
+                               "--checkpoint-every", "0", "--timeout", "60", "--out", str(out), flag, value],
+                              env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+             for r, value in ((0, rank0), (1, rank1))]
+    errs = [p.communicate(timeout=150)[1] for p in procs]
+    name = flag.lstrip("-").replace("-", "_")
+    for r, (p, err) in enumerate(zip(procs, errs)):
+        assert p.returncode == 2, f"rank {r}: exit {p.returncode}: {err[-2000:]}"
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "ranks disagree at start-up" in lines[0], err[-2000:]
+        assert f"{name} differs on rank(s) [1]" in lines[0] and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_the_start_up_agreement_covers_every_setting_but_rank_local_ones():
+    from gradzip.engine.handshake import disagreements
+
+    agree = TrainConfig().agreement()
+    for key in ("model", "corpus", "tokenizer", "vocab_size", "batch_size", "accumulation", "seq_len", "steps",
+                "warmup", "lr", "weight_decay", "optimizer", "precision", "seed", "compressor",
+                "bucket_cap_mb", "min_compress_numel", "stop_at", "workers"):
+        assert key in agree, key
+    assert not {"progress", "config", "timeout"} & set(agree)
+    docs = [{"model": "m", "spec": "none", "options": {}, "params": 1, "numel": 1, "agree": dict(agree)}
+            for _ in range(3)]
+    docs[2]["agree"].update(seed=7, optimizer="lamb")
+    assert disagreements(docs) == [f"optimizer differs on rank(s) [2] (rank 0: {agree['optimizer']!r}; rank 2: 'lamb')",
+                                   f"seed differs on rank(s) [2] (rank 0: {agree['seed']!r}; rank 2: 7)"]

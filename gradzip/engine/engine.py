@@ -46,7 +46,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,12 +75,15 @@ class EngineConfig:
     min_compress_numel: tensors with fewer elements are exchanged uncompressed (0: compress all).
     broadcast: broadcast parameters and floating-point buffers from rank 0 at start-up.
     check: compare model/compressor/options fingerprints across ranks at start-up.
+    agree: the caller's settings that must be equal on every rank (``gradzip train``: its whole
+        resolved configuration), compared with the fingerprint; a mismatch names the fields.
     """
 
     bucket_cap_mb: float = 25.0
     min_compress_numel: int = 1024
     broadcast: bool = True
     check: bool = True
+    agree: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
@@ -177,7 +180,7 @@ class Engine:
 
         if self.config.check:
             options = {"bucket_cap_mb": self.config.bucket_cap_mb, "min_compress_numel": self.config.min_compress_numel}
-            doc = fingerprint(named, self.spec, options)
+            doc = fingerprint(named, self.spec, options, self.config.agree)
             check_agreement(comms, [doc] * len(comms))
         if self.config.broadcast:
             state = [p for _, p in named] + [b for b in model.buffers() if b.is_floating_point()]
@@ -458,14 +461,15 @@ class Engine:
 
 def attach(model: torch.nn.Module, compressor: str | Compressor = "none", comm: Communicator | SimWorld | None = None,
            bucket_cap_mb: float = 25.0, min_compress_numel: int = 1024, broadcast: bool = True,
-           check: bool = True) -> Engine:
+           check: bool = True, agree: dict[str, Any] | None = None) -> Engine:
     """Attach gradzip to ``model``: see :class:`Engine` and the module docstring.
 
     ``comm``: a Communicator (one rank per process; e.g. from :func:`gradzip.comm.init_communicator`)
-    or a :class:`SimWorld` (every worker in this process, virtual clock).
+    or a :class:`SimWorld` (every worker in this process, virtual clock). ``agree``: settings of
+    yours that every rank must share (JSON-able values); compared at start-up.
     """
     if comm is None:
         raise GradzipError("attach: pass a communicator (gradzip.comm.init_communicator(...)) or a SimWorld(n)")
     config = EngineConfig(bucket_cap_mb=bucket_cap_mb, min_compress_numel=min_compress_numel,
-                          broadcast=broadcast, check=check)
+                          broadcast=broadcast, check=check, agree=dict(agree or {}))
     return Engine(model, compressor, comm, config)

@@ -20,10 +20,12 @@ from gradzip.comm.base import Communicator
 from gradzip.errors import GradzipError
 
 
-def fingerprint(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: str, options: dict[str, Any]) -> bytes:
+def fingerprint(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: str, options: dict[str, Any],
+                agree: dict[str, Any] | None = None) -> bytes:
     """A small JSON document: a digest of the parameters' names, shapes, dtypes and
     requires_grad flags, their count and size (for the error message), the canonical compressor
-    spec and the engine options that decide bucketing (so that collectives match)."""
+    spec, the engine options that decide bucketing (so that collectives match) and the caller's
+    settings that must agree (``agree``)."""
     h = hashlib.sha256()
     for name, p in named_params:
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{int(p.requires_grad)};".encode())
@@ -33,6 +35,7 @@ def fingerprint(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: st
         "numel": sum(p.numel() for _, p in named_params),
         "spec": spec,
         "options": options,
+        "agree": agree or {},
     }
     return json.dumps(doc, sort_keys=True).encode()
 
@@ -47,7 +50,15 @@ def check_agreement(comms: Sequence[Communicator], docs: Sequence[bytes]) -> Non
     any rank differs from rank 0, naming the ranks and what differs."""
     tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in docs]
     gathered = _allgather_all(comms, tensors)[0]
-    parsed = [json.loads(bytes(t.tolist()).decode()) for t in gathered]
+    problems = disagreements([json.loads(bytes(t.tolist()).decode()) for t in gathered])
+    if problems:
+        raise GradzipError("ranks disagree at start-up: " + "; ".join(problems)
+                           + "; every rank must build the same model (names, shapes, dtypes) and pass the same "
+                           "compressor spec, engine options and settings")
+
+
+def disagreements(parsed: Sequence[dict[str, Any]]) -> list[str]:
+    """What differs from rank 0 in the ranks' fingerprint documents (empty: all agree)."""
     ref = parsed[0]
     problems: list[str] = []
     for what, field_, show in (
@@ -59,10 +70,13 @@ def check_agreement(comms: Sequence[Communicator], docs: Sequence[bytes]) -> Non
         if bad:
             others = ", ".join(f"rank {r}: {show(parsed[r])}" for r in bad)
             problems.append(f"{what} differs on rank(s) {bad} (rank 0: {show(ref)}; {others})")
-    if problems:
-        raise GradzipError("ranks disagree at start-up: " + "; ".join(problems)
-                           + "; every rank must build the same model (names, shapes, dtypes) and pass the same "
-                           "compressor spec and engine options")
+    agree0 = ref.get("agree", {})
+    for key in sorted(set().union(*(d.get("agree", {}) for d in parsed))):
+        bad = [r for r, d in enumerate(parsed) if d.get("agree", {}).get(key) != agree0.get(key)]
+        if bad:
+            others = ", ".join(f"rank {r}: {parsed[r].get('agree', {}).get(key)!r}" for r in bad)
+            problems.append(f"{key} differs on rank(s) {bad} (rank 0: {agree0.get(key)!r}; {others})")
+    return problems
 
 
 @torch.no_grad()

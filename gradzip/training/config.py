@@ -50,6 +50,8 @@ RESUME_MUTABLE = frozenset({
 })
 # Fields not written to a run's config.toml: they describe one invocation, not the run (so that
 # `--resume` after `--stop-at` does not stop again at the same step).
+# Fields a rank may set differently from the others: they change no collective and no result.
+RANK_LOCAL = frozenset({"progress", "config", "timeout"})
 _NOT_SAVED = frozenset({"resume", "config", "stop_at"})
 
 
@@ -218,6 +220,11 @@ class TrainConfig:
         comp = re.sub(r"[^A-Za-z0-9.=]+", "_", self.compressor).strip("_")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         return os.path.join("runs", f"{self.model}-{comp}-{self.backend}{self.workers}-{stamp}")
+
+    def agreement(self) -> dict[str, Any]:
+        """The settings every rank of a run must share (compared at start-up by the engine): all of
+        them but the ones that only steer this process's output."""
+        return {k: v for k, v in self.to_dict().items() if k not in RANK_LOCAL}
 
     def diff(self, other: TrainConfig, ignore: frozenset[str] = RESUME_MUTABLE) -> list[str]:
         """``["--flag: a != b", ...]`` for fields that differ, except ``ignore``."""
