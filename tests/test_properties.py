@@ -124,9 +124,10 @@ def test_error_feedback_invariant(spec, tensors):
     # The output is cast to the gradient's dtype (the invariant holds in fp32, before that cast):
     # allow that rounding, relative to the largest value in the bucket.
     scale = 1.0 + max([float(x.float().abs().max()) for x in [*tensors, *out] if x.numel()] or [0.0])
+    numel = sum(t.numel() for t in tensors)
     for t, o, m in zip(tensors, out, memory):
-        if c.name == "fp16" and t.float().abs().max() > 6e4:
-            continue  # the cast overflows; the memory is cleared, tested below
+        if (c.name == "fp16" or t.dtype == torch.float16) and float(t.float().abs().max()) * numel >= 6e4:
+            continue  # the fp16 cast (or random-k's n/k scaling before it) leaves fp16's range
         torch.testing.assert_close(o.float() + m, t.float(), rtol=1e-2, atol=1e-2 * scale)
 
 
