@@ -14,7 +14,12 @@ import os
 import sys
 import warnings
 
-from gradzip import __version__
+# Before torch is imported (sub-command modules import it): torch's C++ warnings stay off the
+# terminal unless GRADZIP_DEBUG=1 (see gradzip.comm.launch.quiet_torch_logs, which ranks inherit).
+if not os.environ.get("GRADZIP_DEBUG"):
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from gradzip import __version__  # noqa: E402
 from gradzip.errors import CommError, GradzipError
 from gradzip.subcommands import add_subcommands
 

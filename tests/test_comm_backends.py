@@ -92,6 +92,17 @@ def test_gloo_2_ranks_and_peer_death(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_gloo_rank_0_death_is_one_line_without_cpp_frames(tmp_path, capfd):
+    """Rank 0 hosts the rendezvous store: when it dies, the survivor names it, and torch's C++
+    warnings (c10d "sendBytes failed" with a stack of frames) stay off the terminal."""
+    rc, _, reports = _launch("gloo", 2, "die:0", tmp_path)
+    assert rc != 0
+    _check_named(reports, [1], r"lost rank 0")
+    err = capfd.readouterr().err
+    assert "frame #" not in err and "Exception raised from" not in err, err[-3000:]
+
+
+@pytest.mark.timeout(180)
 def test_gloo_4_ranks_hung_and_late_peers(tmp_path):
     rc, results, reports = _launch("gloo", 4, "stall:2,behind:3", tmp_path)
     _check_battery(results, 4)

@@ -79,6 +79,14 @@ class LauncherEnv:
         return self.launcher != "none"
 
 
+def quiet_torch_logs(env: dict[str, str] | os._Environ[str]) -> None:
+    """Keep torch's C++ warnings (c10d's "sendBytes failed" with 20 stack frames per lost peer)
+    off the terminal: gradzip names the lost rank in one line itself. ``GRADZIP_DEBUG=1`` keeps
+    them; so does a TORCH_CPP_LOG_LEVEL the user set. Takes effect in processes started after."""
+    if not env.get("GRADZIP_DEBUG"):
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def _int(env: Mapping[str, str], *names: str) -> int | None:
     for n in names:
         v = env.get(n)
@@ -286,6 +294,7 @@ def spawn_local(backend: str, workers: int, argv: Sequence[str], env_extra: Mapp
     if b not in BACKENDS:
         raise GradzipError(f"spawn_local: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     base = dict(os.environ)
+    quiet_torch_logs(base)
     base.update(env_extra or {})
     base.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host: one BLAS thread each
     base["GRADZIP_LAUNCHER"] = "spawn_local"
