@@ -35,6 +35,7 @@ def rows() -> list[dict[str, Any]]:
             "biased": cls.biased,
             "lossless": cls.lossless,
             "schemes": list(cls.schemes),
+            "default_exchange": cls.collective,
             "per_tensor": cls.per_tensor,
             "identity": cls.identity,
             "parameters": [{"name": p, "type": t, "default": d} for p, t, d in describe(cls)],
@@ -45,17 +46,19 @@ def rows() -> list[dict[str, Any]]:
 
 def table(items: list[dict[str, Any]]) -> str:
     """The aligned text table that ``gradzip ls`` prints."""
-    header = ("NAME", "COLLECTIVE", "BIASED", "PARAMETERS (default)", "DESCRIPTION")
+    header = ("NAME", "COLLECTIVE", "BIASED", "EXCHANGE (*default)", "PARAMETERS (default)", "DESCRIPTION")
     lines = [header]
     for it in items:
         coll = it["collective"] + (f" x{it['rounds']}" if it["rounds"] > 1 else "")
-        params = ",".join(f"{p['name']}={_fmt(p['default'])}" for p in it["parameters"])
-        lines.append((it["name"], coll, "yes" if it["biased"] else "no", params, it["description"]))
+        schemes = "|".join(s + ("*" if s == it["default_exchange"] else "") for s in it["schemes"])
+        params = ",".join(f"{p['name']}={_fmt(p['default'])}" for p in it["parameters"] if p["name"] != "exchange")
+        lines.append((it["name"], coll, "yes" if it["biased"] else "no", schemes, params, it["description"]))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header) - 1)]
     text = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in lines]
     text.append("")
     text.append('spec: NAME or NAME:key=value,... e.g. "topk:ratio=0.01,ef=true"; ef=true wraps any compressor in '
-                "error feedback. \"x2\": rounds of communication per step.")
+                "error feedback; exchange=SCHEME picks how payloads combine (twophase: compressed allreduce). "
+                "\"x2\": rounds of communication per step.")
     return "\n".join(text)
 
 

@@ -4,9 +4,12 @@ environments and ``spawn_local``.
 
 Each backend test is one launch of ``gradzip.comm._selftest`` (a battery of collectives: allreduce
 of fp32/fp16/bf16/fp64/int/uint8/bool with sum and mean, allgather of per-rank shapes including
-uint8 and empty tensors, broadcast, several outstanding async ops, byte accounting), followed by a
+uint8 and empty tensors, broadcast, alltoall of many dtypes and shapes (and its ValueError for a
+first dimension the world size does not divide), split into sub-communicators and a split of a
+split with every op inside, several outstanding async ops, byte accounting), followed by a
 failure phase in which one rank dies or hangs and the others must raise a CommError that names it.
-A hung launch is stopped by spawn_local's timeout (and pytest-timeout), so it fails the test.
+The 4-rank launches run the failing collective on a sub-communicator, whose errors name global
+ranks. A hung launch is stopped by spawn_local's timeout (and pytest-timeout), so it fails the test.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from conftest import mpi_unavailable
 
 from gradzip.comm import detect_launcher_env, expand_nodelist, init_communicator, spawn_local
-from gradzip.comm._selftest import compare, sim_reference
+from gradzip.comm._selftest import compare, self_check, sim_reference
 from gradzip.errors import GradzipError
 
 FAIL_TIMEOUT = 3.0  # the collective timeout in the failure phase
@@ -46,9 +49,10 @@ def _reference(n: int) -> list[dict[str, torch.Tensor]]:
     return sim_reference(n)
 
 
-def _launch(backend: str, n: int, fail: str, out: Path) -> tuple[int, dict[int, dict], dict[int, dict]]:
+def _launch(backend: str, n: int, fail: str, out: Path, fail_on: str = "world") -> tuple[int, dict[int, dict],
+                                                                                         dict[int, dict]]:
     argv = ["--backend", backend, "--timeout", "60", "--out", str(out), "--fail", fail,
-            "--fail-timeout", str(FAIL_TIMEOUT)]
+            "--fail-timeout", str(FAIL_TIMEOUT), "--fail-on", fail_on]
     rc = spawn_local(backend, n, argv, env_extra={"OMP_NUM_THREADS": "1"}, timeout=LAUNCH_TIMEOUT,
                      module="gradzip.comm._selftest", grace=8.0)
     pts, jsons = {r: out / f"rank{r}.pt" for r in range(n)}, {r: out / f"rank{r}.json" for r in range(n)}
@@ -61,8 +65,12 @@ def _check_battery(results: dict[int, dict], n: int) -> None:
     assert sorted(results) == list(range(n)), f"missing results from ranks {set(range(n)) - set(results)}"
     ref = _reference(n)
     for r in range(n):
+        problems = self_check(results[r], r, n)  # alltoall and split, against directly computed values
+        assert not problems, f"rank {r}:\n" + "\n".join(problems)
         problems = compare(results[r], ref[r])
         assert not problems, f"rank {r} differs from sim:\n" + "\n".join(problems)
+        assert results[r]["alltoall/bad_input"].all()  # ValueError naming the rule, ranks still in step
+        assert results[r]["stats/alltoall"][0] > 0 and results[r]["stats/split"][0] == 3
         # independent spot checks (not through sim)
         for k in range(n):
             assert torch.equal(results[r][f"allgather/i32/{k}"], torch.arange(7 + k, dtype=torch.int32) * (k + 1))
@@ -73,11 +81,14 @@ def _check_battery(results: dict[int, dict], n: int) -> None:
         assert torch.equal(results[r][key], results[0][key])  # every rank ends with the same sum
 
 
-def _check_named(reports: dict[int, dict], ranks: list[int], pattern: str) -> None:
+def _check_named(reports: dict[int, dict], ranks: list[int], pattern: str, sub: bool = False) -> None:
     assert sorted(reports) == ranks, f"failure reports from {sorted(reports)}, expected {ranks}"
+    n = len(ranks) + 2 if sub else None  # the sub-communicator of the 4-rank tests: every rank, reversed
     for r, rep in reports.items():
         assert rep["is_comm_error"], f"rank {r}: {rep}"
-        assert "allreduce" in rep["message"] and f"on rank {r}" in rep["message"]
+        where = f"on global rank {r} (rank {n - 1 - r} of the sub-communicator of global ranks " \
+                f"{list(range(n))[::-1]})" if sub else f"on rank {r}"
+        assert "allreduce" in rep["message"] and where in rep["message"], f"rank {r}: {rep['message']}"
         assert re.search(pattern, rep["message"]), f"rank {r}: {rep['message']}"
         # bounded by the configured timeout (+ the 2 s diagnosis), far from the 60 s init timeout
         assert rep["seconds"] < FAIL_TIMEOUT + 20
@@ -104,13 +115,15 @@ def test_gloo_rank_0_death_is_one_line_without_cpp_frames(tmp_path, capfd):
 
 @pytest.mark.timeout(180)
 def test_gloo_4_ranks_hung_and_late_peers(tmp_path):
-    rc, results, reports = _launch("gloo", 4, "stall:2,behind:3", tmp_path)
+    """The failing allreduce runs on a sub-communicator (every rank, reversed), so the hung and
+    the late rank must be named by their global ranks."""
+    rc, results, reports = _launch("gloo", 4, "stall:2,behind:3", tmp_path, fail_on="split")
     _check_battery(results, 4)
     assert rc == 3  # the survivors' code after their CommTimeout
-    _check_named(reports, [0, 1], r"lost rank\(s\) \[2\]")
+    _check_named(reports, [0, 1], r"lost global rank\(s\) \[2\]", sub=True)
     for rep in reports.values():
         assert rep["error"] == "CommTimeout" and f"timed out after {FAIL_TIMEOUT:g} s" in rep["message"]
-        assert re.search(r"rank 3 \(last launched #\d+\)", rep["message"])
+        assert re.search(r"global rank 3 \(last launched #\d+\)", rep["message"])
 
 
 @needs_mpi
@@ -127,14 +140,15 @@ def test_mpi_2_ranks_and_peer_death(tmp_path, capfd):
 @needs_mpi
 @pytest.mark.timeout(180)
 def test_mpi_4_ranks_hung_and_late_peers(tmp_path):
-    rc, results, reports = _launch("mpi", 4, "stall:2,behind:3", tmp_path)
+    """As the Gloo test: the failure is on a sub-communicator, named by global ranks."""
+    rc, results, reports = _launch("mpi", 4, "stall:2,behind:3", tmp_path, fail_on="split")
     _check_battery(results, 4)
     assert rc == 3
-    _check_named(reports, [0, 1], r"rank\(s\) \[2\] not responding")
+    _check_named(reports, [0, 1], r"global rank\(s\) \[2\] not responding", sub=True)
     for rep in reports.values():
         assert rep["error"] == "CommTimeout"
         assert re.search(r"rank 3 \(last launched #\d+, waiting in #\d+\)", rep["message"]) is None
-        assert re.search(r"rank 3 \(last launched #\d+\)", rep["message"])
+        assert re.search(r"global rank 3 \(last launched #\d+\)", rep["message"])
 
 
 # ---------------------------------------------------------------- spawn_local with a tiny probe

@@ -226,3 +226,57 @@ def test_world_of_one_and_bad_size():
     assert world[0].stats.bytes_sent == 0
     with pytest.raises(ValueError, match=">= 1"):
         SimWorld(0)
+
+
+# ---------------------------------------------------------------- alltoall, split, two link levels
+def _all(handles):
+    return [h.wait() for h in handles]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.bool, torch.int64])
+def test_alltoall_sends_chunk_j_to_rank_j(dtype):
+    n = 4
+    world = SimWorld(n)
+    ins = [(torch.arange(n * 3 * 2).reshape(n * 3, 2) + 100 * r).to(dtype) for r in range(n)]
+    outs = _all([c.alltoall_async(t) for c, t in zip(world, ins)])
+    for r in range(n):
+        assert outs[r].shape == ins[r].shape and outs[r].dtype == dtype
+        for i in range(n):
+            assert torch.equal(outs[r][3 * i:3 * i + 3], ins[i][3 * r:3 * r + 3])
+    size = ins[0].numel() * ins[0].element_size()
+    assert world[0].stats.by_op["alltoall"].bytes_sent == cost.alltoall_bytes(size, n) == 3 * size // 4
+    with pytest.raises(ValueError, match="multiple of the world size 4"):
+        world[0].alltoall_async(torch.zeros(6))
+
+
+def test_split_groups_ranks_by_colour_and_key_and_shares_the_stats():
+    world = SimWorld(6)
+    subs = [c.split(c.rank % 2, key=-c.rank) for c in world]
+    with pytest.raises(CommError, match="not every worker"):
+        SimWorld(2)[0].split(0).rank  # noqa: B018 - the other worker never called split
+    assert [(s.rank, s.world_size) for s in subs] == [(2, 3), (2, 3), (1, 3), (1, 3), (0, 3), (0, 3)]
+    assert subs[4].world.members == [4, 2, 0]
+    before = world[0].stats.bytes_sent
+    outs = _all([s.allreduce_async(torch.tensor([float(c.rank)]), "sum") for s, c in zip(subs, world)])
+    assert [float(o) for o in outs] == [6.0, 9.0, 6.0, 9.0, 6.0, 9.0]
+    assert world[0].stats.bytes_sent > before  # the sub-communicator records into its parent's stats
+    subsub = [s.split(0 if s.rank == 0 else 1) for s in subs]
+    assert [x.world_size for x in subsub] == [2, 2, 2, 2, 1, 1]
+
+
+def test_two_link_levels_and_a_shared_network_card():
+    world = SimWorld(8, bandwidth="1gbit", latency="50us", ranks_per_node=4, intra_bandwidth="100gbit",
+                     intra_latency="5us")
+    node = [c.split(c.rank // 4) for c in world]
+    cross = [c.split(c.rank % 4) for c in world]
+    intra, inter = node[5].world.link, cross[0].world.link
+    assert (intra.bandwidth_bps, intra.latency_s) == (1e11, pytest.approx(5e-6))  # inside a node
+    # four cross-node groups (one per local rank) go through each node's one card at once
+    assert cross[0].world.share == 4 and (inter.bandwidth_bps, inter.latency_s) == (1e9 / 4, pytest.approx(50e-6))
+    hs = [c.allreduce_async(torch.zeros(1000)) for c in node]
+    _all(hs)
+    assert hs[0].modelled_s == pytest.approx(cost.allreduce_time(4000, 4, intra))
+    hs = [c.alltoall_async(torch.zeros(8000, dtype=torch.uint8)) for c in world]
+    _all(hs)
+    want = cost.Link(1e9, 50e-6).transfer(4 * 4 / 8 * 8000, 4) + cost.Link(1e11, 5e-6).transfer(3 / 8 * 8000, 3)
+    assert hs[0].modelled_s == pytest.approx(want)

@@ -394,7 +394,11 @@ def test_gradzip_ls_lists_every_compressor(capsys):
         assert ("yes" if cls.biased else "no") in row.split()[2:4]
         for f in dataclasses.fields(cls.Config):
             assert f"{f.name}=" in row
+        assert "|".join(s + ("*" if s == cls.collective else "") for s in cls.schemes) in row.split()
     assert main(["ls", "--json"]) == 0
     items = {it["name"]: it for it in json.loads(capsys.readouterr().out)}
     assert set(items) == set(registry())
-    assert {p["name"]: p["default"] for p in items["topk"]["parameters"]} == {"ratio": 0.01, "ef": False}
+    assert {p["name"]: p["default"] for p in items["topk"]["parameters"]} == {
+        "ratio": 0.01, "ef": False, "exchange": "allgather"}
+    assert items["onebit"]["schemes"] == ["allgather", "twophase"]
+    assert items["onebit"]["default_exchange"] == "allgather"

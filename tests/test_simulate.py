@@ -170,7 +170,9 @@ def test_payload_bytes_equal_what_the_compressor_sends(name):
     assert p.compression_ratio == pytest.approx(TINY * 4 / real)
 
 
-@pytest.mark.parametrize("spec", ["none", "topk:ratio=0.01,ef=true"])
+@pytest.mark.parametrize("spec", ["none", "topk:ratio=0.01,ef=true", "onebit:exchange=twophase",
+                                  "topk:ratio=0.01,ef=true,exchange=twophase",
+                                  "topk:ratio=0.01,ef=true,exchange=sparse"])
 def test_sent_bytes_match_the_engine(spec):
     """Bytes per rank per step equal what the engine counts on a sim world of 3 workers."""
     from gradzip.comm.sim import SimWorld
@@ -179,7 +181,7 @@ def test_sent_bytes_match_the_engine(spec):
 
     torch.manual_seed(0)
     model = BertForPreTraining(bert_config("bert-tiny"))
-    engine = attach(model, spec, SimWorld(3, bandwidth="1gbit"))
+    engine = attach(model, spec, SimWorld(3, bandwidth="1gbit", latency=0))
     ids = torch.randint(5, 100, (2, 16))
     for w in engine.worker_ids:
         with engine.worker(w):
@@ -189,6 +191,29 @@ def test_sent_bytes_match_the_engine(spec):
     stats = engine.finalize()
     p = sim.predict(spec, work(), cluster(3, 1))
     assert stats.bytes_sent == p.sent_bytes
+    assert p.exchange == create(spec).exchange
+    if p.exchange != "allgather":  # the same alltoall, allgather and broadcast formulas on both clocks
+        assert stats.link_s == pytest.approx(p.comm_s, rel=1e-6)
+
+
+def test_twophase_by_hand_and_ahead_of_allgather_at_32_gpus():
+    cl = cluster(8, 4)
+    w = work()
+    flat, two, fp16 = (sim.predict(s, w, cl) for s in ("onebit", "onebit:exchange=twophase", "fp16"))
+    assert two.payload_bytes == flat.payload_bytes  # the same payload, combined differently
+    assert two.comm_s < flat.comm_s / 3 and two.comm_s < fp16.comm_s / 3
+    assert two.sent_bytes < 2 * two.payload_bytes < flat.sent_bytes / 10
+    # One bucket by hand: alltoall of 32 chunk payloads (the NIC carries the 4 GPUs' off-node
+    # chunks), then a hierarchical allgather of one chunk payload.
+    comp = create("onebit:exchange=twophase")
+    numel = 1 << 20
+    cb = comp.payload_bytes((numel // 32,))
+    timing, sent, t = sim.twophase_bucket(comp, numel, torch.float32, cl, sim.CodecCost(1e-9, 2e-9), 0.0)
+    a2a = cl.inter().transfer(4 * 28 / 32 * 32 * cb, 28) + cl.intra().transfer(3 / 32 * 32 * cb, 3)
+    assert timing.rounds_s[0] == pytest.approx(a2a)
+    assert timing.rounds_s[1] == pytest.approx(sim.allgather_time(cb, 1, cl))
+    assert sent == 31 * cb + 31 * cb and t == pytest.approx(sum(timing.rounds_s))
+    assert timing.between_s == [pytest.approx(2e-9 * numel + 1e-9 * numel / 32)]
 
 
 # ------------------------------------------------------------------------------ encode costs from the bench

@@ -230,7 +230,8 @@ def computed(out: Path) -> list[tuple]:
     return [tuple(r.get(k) for k in SAME) for r in read_metrics(out / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("compressor", ["none", "topk:ratio=0.01,ef=true", "powersgd:rank=2"])
+@pytest.mark.parametrize("compressor", ["none", "topk:ratio=0.01,ef=true", "powersgd:rank=2",
+                                        "onebit:exchange=twophase"])
 def test_resume_gives_identical_losses(tmp_path, tiny, compressor):
     """3 steps + resume + 3 steps == 6 uninterrupted steps, bit for bit, on sim with 2 workers."""
     full, part = tmp_path / "full", tmp_path / "part"

@@ -130,6 +130,13 @@ class SlowLink(Communicator):
         t = cost.broadcast_time(nbytes(tensor), self.world_size, self.link)
         return _DelayedHandle(self.inner.broadcast_async(tensor, src), self._occupy(t))
 
+    def alltoall_async(self, tensor: torch.Tensor) -> Handle:
+        t = cost.alltoall_time(nbytes(tensor), self.world_size, self.link)
+        return _DelayedHandle(self.inner.alltoall_async(tensor), self._occupy(t))
+
+    def split(self, colour: int, key: int | None = None) -> Communicator:
+        return SlowLink(self.inner.split(colour, key), self.link)
+
     def barrier(self) -> None:
         self.inner.barrier()
 

@@ -151,6 +151,7 @@ class CodecCost:
 @dataclass
 class Prediction:
     compressor: str
+    exchange: str               # the scheme: allreduce, allgather, twophase
     workers: int
     params: int
     payload_bytes: int          # per GPU per step, all rounds (the compressor's formula)
@@ -250,6 +251,68 @@ def allgather_time(nbytes: float, collectives: int, cl: Cluster) -> float:
     return ag(nbytes, n, link, False) + collectives * ag(0.0, n, link, True)
 
 
+def alltoall_time(nbytes: float, cl: Cluster) -> float:
+    """α–β time of one alltoall of an ``nbytes`` buffer per GPU over the whole cluster: the chunks
+    for other nodes of all g GPUs of a node leave through its NIC, the rest stay inside."""
+    n, g = cl.workers, cl.gpus_per_node
+    if n <= 1:
+        return 0.0
+    if cl.nodes == 1:
+        return cost.alltoall_time(nbytes, n, cl.intra())
+    return cost.alltoall_time(nbytes, n, cl.inter(), per_node=g, intra=cl.intra())
+
+
+def twophase_bucket(comp: Compressor, numel: int, dtype: torch.dtype, cl: Cluster, codec: CodecCost,
+                    ready: float) -> tuple[BucketTiming, int, float]:
+    """(timing, bytes sent, link seconds) of one bucket's compressed allreduce: an alltoall of n
+    chunk payloads, the server's decode + re-encode of its shard, an allgather of the shards."""
+    n = cl.workers
+    chunk = math.ceil(numel / n)
+    cb = comp.payload_bytes((chunk,), dtype)
+    t1 = alltoall_time(n * cb, cl)
+    t2 = allgather_time(cb, 1, cl)
+    sent = cost.alltoall_bytes(n * cb, n) + (n - 1) * cb
+    server = codec.aggregate_s * numel + codec.encode_s * chunk  # decode n chunks, encode the shard
+    timing = BucketTiming(ready_s=ready, compress_s=codec.encode_s * numel, rounds_s=[t1, t2],
+                          between_s=[server], decode_s=codec.aggregate_s * numel)
+    return timing, sent, t1 + t2
+
+
+def sparse_bucket(comp: Compressor, numel: int, dtype: torch.dtype, cl: Cluster, codec: CodecCost,
+                  ready: float) -> tuple[BucketTiming, float, float]:
+    """(timing, mean bytes sent per GPU, link seconds) of one bucket's gTop-k
+    (:mod:`gradzip.engine.gtopk`): log2(p) pairwise exchanges of the k-entry set (fp32 value +
+    int32 index), plus a fold and an unfold when n is not a power of two. A level whose pairs
+    sit inside nodes runs on the intra-node link; one that crosses nodes sends every GPU of a node
+    through its NIC at once."""
+    n, g = cl.workers, cl.gpus_per_node
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+    s = comp.payload_bytes((numel,), torch.float32)  # k entries of 8 bytes: fp32 value, int32 index
+    rounds = []
+    if extra:
+        rounds.append(_pair_time(s, cl, share=min(g, extra), inside=False))
+    level = 1
+    while level < p:
+        rounds.append(_pair_time(s, cl, share=g, inside=2 * level <= g and g % (2 * level) == 0))
+        level <<= 1
+    if extra:
+        rounds.append(rounds[0])
+    levels = len(rounds) - (2 if extra else 0)
+    sent = (p * levels * s + 2 * extra * s) / n
+    merge = codec.aggregate_s * 2 * (s // 8)  # each merge sums and selects 2k entries
+    timing = BucketTiming(ready_s=ready, compress_s=codec.encode_s * numel, rounds_s=rounds,
+                          between_s=[merge] * (len(rounds) - 1), decode_s=merge)
+    return timing, sent, sum(rounds)
+
+
+def _pair_time(nbytes: float, cl: Cluster, share: int, inside: bool) -> float:
+    """One two-rank exchange of ``nbytes`` each way."""
+    if inside or cl.nodes == 1:
+        return cl.intra().transfer(nbytes)
+    return cl.inter(share=share).transfer(nbytes)
+
+
 # ------------------------------------------------------------------------------ prediction
 def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost = CodecCost(),
             tokens: float | None = None, epochs: float = 1.0) -> Prediction:
@@ -270,7 +333,7 @@ def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost = CodecCost
     total_numel = sum(b.numel for b in buckets) or 1
     timings: list[BucketTiming] = []
     done_numel = 0
-    t_ar = t_ag = 0.0
+    t_ar = t_ag = t_a2a = 0.0
     for b in buckets:
         done_numel += b.numel
         # The one overlap rule (cluster.schedule): buckets complete in order through the last
@@ -290,6 +353,14 @@ def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost = CodecCost
         nbytes = comp.batch_payload_bytes(b.shapes, dtype)
         payload += nbytes
         encode = codec.encode_s * b.numel
+        if comp.exchange in ("twophase", "sparse") and n > 1:
+            bucket_model = twophase_bucket if comp.exchange == "twophase" else sparse_bucket
+            timing, sent_b, t = bucket_model(comp, b.numel, dtype, cl, codec, ready)
+            sent += sent_b
+            t_a2a += t
+            ag_calls += 1
+            timings.append(timing)
+            continue
         if comp.collective == "allgather":
             ag_bytes += nbytes
             ag_calls += sum(per_round)
@@ -313,13 +384,14 @@ def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost = CodecCost
     compress, comm, exposed, step = modelled.compress_s, modelled.link_s, modelled.comm_s, modelled.step_s
     tps = n * work.tokens_per_step / step
     return Prediction(
-        compressor=comp.spec, workers=n, params=params, payload_bytes=int(payload), sent_bytes=int(sent),
+        compressor=comp.spec, exchange=comp.exchange, workers=n, params=params, payload_bytes=int(payload),
+        sent_bytes=int(round(sent)),
         compression_ratio=params * 4 / payload if payload else math.inf,
         collectives=(ar_calls + ag_calls) if n > 1 else 0,
         compute_s=compute, backward_s=backward, compress_s=compress, comm_s=comm, exposed_comm_s=exposed,
         step_s=step, tokens_per_s=tps, scaling_efficiency=compute / step,
         days=None if tokens is None else tokens * epochs / tps / 86400.0,
-        detail={"allreduce_s": t_ar, "allgather_s": t_ag, "compressed_elements": compressed_numel},
+        detail={"allreduce_s": t_ar, "allgather_s": t_ag, "twophase_s": t_a2a, "compressed_elements": compressed_numel},
     )
 
 
@@ -482,11 +554,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{work.model}: {p0.params / 1e6:.1f} M parameters; {cl.nodes} nodes x {cl.gpus_per_node} GPUs = "
           f"{cl.workers} workers; {args.inter_bandwidth} between nodes, {args.intra_bandwidth} inside; "
           f"{cl.algorithm}; {work.tokens_per_step} tokens per GPU per step at {work.tokens_per_second:g} tokens/s")
-    head = (f"{'compressor':<{width}} {'MB/GPU':>8} {'ratio':>7} {'compute':>8} {'compress':>9} {'comm':>8} "
-            f"{'exposed':>8} {'step':>8} {'tokens/s':>10} {'eff.':>6}" + (f" {'days':>7}" if args.tokens else ""))
+    head = (f"{'compressor':<{width}} {'exchange':>9} {'MB/GPU':>8} {'ratio':>7} {'compute':>8} {'compress':>9} "
+            f"{'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10} {'eff.':>6}"
+            + (f" {'days':>7}" if args.tokens else ""))
     print(head)
     for spec, (p, _) in zip(specs, preds):
-        line = (f"{spec:<{width}} {p.payload_bytes / 1e6:>8.2f} {p.compression_ratio:>6.1f}x "
+        line = (f"{spec:<{width}} {p.exchange:>9} {p.payload_bytes / 1e6:>8.2f} {p.compression_ratio:>6.1f}x "
                 f"{p.compute_s * 1e3:>6.0f}ms {p.compress_s * 1e3:>7.0f}ms {p.comm_s * 1e3:>6.0f}ms "
                 f"{p.exposed_comm_s * 1e3:>6.0f}ms {p.step_s * 1e3:>6.0f}ms {p.tokens_per_s:>10,.0f} "
                 f"{p.scaling_efficiency:>5.0%}")

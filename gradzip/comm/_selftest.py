@@ -5,14 +5,26 @@ Run it as N ranks under any launcher, e.g.::
     torchrun --nproc-per-node 4 -m gradzip.comm._selftest --backend gloo --check
     mpirun -n 4 python -m mpi4py -m gradzip.comm._selftest --backend mpi --check
 
-``--check`` recomputes every rank's expected results with an in-process ``SimWorld`` (the inputs
-are a function of rank and world size) and prints PASS/FAIL per rank. ``--out DIR`` saves each
-rank's results (``rank{r}.pt``) and any failure-phase report (``rank{r}.json``); the tests use it.
+``--check`` runs :func:`self_check` and recomputes every rank's expected results with an
+in-process ``SimWorld`` (the inputs are a function of rank and world size), and prints PASS/FAIL
+per rank. ``--out DIR`` saves each rank's results (``rank{r}.pt``) and any failure-phase report
+(``rank{r}.json``); the tests use it.
+
+The battery covers every op of the contract: allreduce/allgather/broadcast over many dtypes and
+shapes, alltoall (fp32/fp16/bf16/int64/uint8/bool/complex64, 2-D and 3-D, a first dimension of
+exactly the world size, no elements, a non-contiguous view, async overlap, and the ValueError of a
+first dimension the world size does not divide), and split (parity colours with reversed keys, a
+split of that split, and an all-ranks reversed split; inside each: allreduce, variable-size
+allgather, broadcast from sub-rank 0, alltoall, barrier; the parent's stats must grow by the
+children's bytes). :func:`self_check` verifies the alltoall and split results against values
+computed directly from the rank-dependent inputs, independently of ``sim``.
 
 The optional failure phase (``--fail``) runs after the battery, with ``--fail-timeout`` seconds:
 ``die:R`` — rank R exits with code 1 before an allreduce; ``stall:R`` — rank R stops its
 heartbeat / ping answers and sleeps (a hung rank); ``behind:R`` — rank R stays responsive but
 sleeps instead of joining. The other ranks record the CommError they get, then exit with code 3.
+With ``--fail-on split`` the allreduce runs on a reversed all-ranks split instead of the world
+(the error must then name global ranks).
 """
 
 from __future__ import annotations
@@ -37,6 +49,16 @@ FLOAT_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12),
              torch.float16: (5e-3, 1e-2), torch.bfloat16: (2e-2, 1e-1)}
 ALLREDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
                     torch.uint8, torch.bool)
+ALLTOALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool,
+                   torch.complex64)
+# alltoall cases: name -> (dtype, shape for world size n). The first dimension is a multiple of n.
+ALLTOALL_CASES: dict[str, tuple[torch.dtype, Any]] = {
+    **{f"{dt}": (dt, lambda n: (3 * n, 5)) for dt in ALLTOALL_DTYPES},  # 2-D, 3 rows per chunk
+    "exact": (torch.int64, lambda n: (n,)),  # first dimension = world size: one element per chunk
+    "f16_3d": (torch.float16, lambda n: (2 * n, 2, 3)),
+    "empty": (torch.float32, lambda n: (0,)),  # no elements: 0 is a multiple of every world size
+    "empty_rows": (torch.uint8, lambda n: (2 * n, 0)),
+}
 
 
 def _make(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> Tensor:
@@ -47,6 +69,42 @@ def _make(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> Ten
     if dtype == torch.uint8:
         return torch.randint(0, 60, shape, generator=g, dtype=torch.uint8)  # 4 ranks: no overflow
     return torch.randint(-50, 50, shape, generator=g, dtype=dtype)
+
+
+def alltoall_input(dtype: torch.dtype, shape: tuple[int, ...], rank: int, tag: int = 0) -> Tensor:
+    """Rank ``rank``'s alltoall input: a function of its arguments only, so that any rank (and
+    :func:`self_check`) can recompute what every other rank sent."""
+    g = torch.Generator().manual_seed(7919 * (rank + 1) + 101 * tag + 13 * len(shape) + sum(shape))
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    return _make(dtype, shape, g)
+
+
+def expected_alltoall(inputs: list[Tensor], rank: int) -> Tensor:
+    """What ``rank`` receives when rank i passes ``inputs[i]``: chunk i is chunk ``rank`` of it."""
+    n = len(inputs)
+    return torch.cat([t.reshape(n, t.shape[0] // n, *t.shape[1:])[rank] for t in inputs], 0)
+
+
+def _split_members(n: int, colour_of, key_of) -> dict[int, list[int]]:
+    """Old ranks of each colour's group, in new-rank order (by key, then old rank)."""
+    groups: dict[int, list[int]] = {}
+    for r in sorted(range(n), key=lambda r: (key_of(r), r)):
+        groups.setdefault(colour_of(r), []).append(r)
+    return groups
+
+
+def _sub_battery(sub: Communicator, g_rank: int, tag: int, out: dict[str, Tensor], prefix: str) -> None:
+    """allreduce, a variable-size allgather, a broadcast, an alltoall and a barrier inside a
+    sub-communicator; inputs are functions of the *global* rank, so results are checkable."""
+    n = sub.world_size
+    out[f"{prefix}/rank"] = torch.tensor([sub.rank, n], dtype=torch.int64)
+    out[f"{prefix}/allreduce"] = sub.allreduce(torch.full((5,), float(g_rank + 1)), "sum")
+    for k, x in enumerate(sub.allgather(torch.arange(g_rank + 1, dtype=torch.int32) + 100 * g_rank)):
+        out[f"{prefix}/allgather/{k}"] = x
+    out[f"{prefix}/broadcast"] = sub.broadcast(torch.full((7,), float(g_rank)).bfloat16(), src=0)
+    out[f"{prefix}/alltoall"] = sub.alltoall(alltoall_input(torch.int64, (2 * n, 3), g_rank, tag))
+    sub.barrier()
 
 
 def run_battery(comm: Communicator) -> dict[str, Tensor]:
@@ -90,10 +148,95 @@ def run_battery(comm: Communicator) -> dict[str, Tensor]:
     out["overlap/a"], out["overlap/d"], out["overlap/c"] = results[0], results[2], results[3]
     for k, x in enumerate(results[1]):
         out[f"overlap/b/{k}"] = x
+    # alltoall: every case, then one launched async behind an allreduce and waited on first.
+    for name, (dt, shape) in ALLTOALL_CASES.items():
+        out[f"alltoall/{name}"] = comm.alltoall(alltoall_input(dt, shape(n), r))
+    base = torch.arange(4 * 2 * n, dtype=torch.float32).reshape(4, 2 * n) * (r + 1)
+    out["alltoall/noncontiguous"] = comm.alltoall(base.t())  # a (2n, 4) transposed view
+    h1 = comm.allreduce_async(torch.ones(64) * r, "sum")
+    h2 = comm.alltoall_async(alltoall_input(torch.uint8, (n, 9), r, 1))
+    out["alltoall/async"], out["alltoall/async_ar"] = h2.wait(), h1.wait()
+    out["alltoall/bad_input"] = torch.tensor([_bad_alltoall(comm, (n + 1,)), _bad_alltoall(comm, ())])
+    # split: colour = parity, key = -rank (reversed order), then a split of the split (reversed
+    # again, so the same members in ascending order) and one all-ranks split (one group, reversed).
+    snap = comm.stats.snapshot()
+    sub = comm.split(r % 2, key=-r)
+    out["split/shared_stats"] = torch.tensor(sub.stats is comm.stats)
+    _sub_battery(sub, r, 2, out, "split")
+    subsub = sub.split(0, key=-sub.rank)
+    _sub_battery(subsub, r, 3, out, "split/split")
+    rev = comm.split(0, key=n - r)
+    _sub_battery(rev, r, 4, out, "split/all")
+    grew = comm.stats.since(snap)
+    out["split/stats_delta"] = torch.tensor([grew["calls"], grew["bytes_sent"], grew["bytes_recv"]],
+                                            dtype=torch.int64)
+    for c in (subsub, sub):  # rev is left to comm.close(); the parent must keep working without them
+        c.close()
+        c.close()  # idempotent
     comm.barrier()
     for op, tot in sorted(comm.stats.by_op.items()):
         out[f"stats/{op}"] = torch.tensor([tot.calls, tot.bytes_sent, tot.bytes_recv], dtype=torch.int64)
     return out
+
+
+def _bad_alltoall(comm: Communicator, shape: tuple[int, ...]) -> bool:
+    """True when alltoall refuses a first dimension that the world size does not divide with a
+    ValueError that says so (and, not being a collective, leaves the ranks in step)."""
+    try:
+        comm.alltoall(torch.zeros(shape))
+    except ValueError as e:
+        return "multiple of the world size" in str(e)
+    return comm.world_size == 1 and len(shape) > 0  # every first dimension is a multiple of 1
+
+
+def self_check(got: dict[str, Tensor], rank: int, n: int) -> list[str]:
+    """Checks of the alltoall and split results against values computed directly from the inputs
+    (not through ``sim``): what ``rank`` of ``n`` must have received."""
+    from gradzip.comm import cost  # the accounting formulas every backend shares
+
+    problems: list[str] = []
+
+    def want(key: str, value: Tensor) -> None:
+        if key not in got:
+            problems.append(f"{key}: missing")
+        elif got[key].dtype != value.dtype or got[key].shape != value.shape or not torch.equal(got[key], value):
+            problems.append(f"{key}: got {got[key].dtype}{tuple(got[key].shape)} {got[key].flatten()[:8].tolist()}, "
+                            f"want {value.dtype}{tuple(value.shape)} {value.flatten()[:8].tolist()}")
+
+    for name, (dt, shape) in ALLTOALL_CASES.items():
+        want(f"alltoall/{name}", expected_alltoall([alltoall_input(dt, shape(n), i) for i in range(n)], rank))
+    bases = [(torch.arange(4 * 2 * n, dtype=torch.float32).reshape(4, 2 * n) * (i + 1)).t() for i in range(n)]
+    want("alltoall/noncontiguous", expected_alltoall(bases, rank))
+    want("alltoall/async", expected_alltoall([alltoall_input(torch.uint8, (n, 9), i, 1) for i in range(n)], rank))
+    want("alltoall/async_ar", torch.full((64,), float(sum(range(n)))))
+    want("alltoall/bad_input", torch.tensor([True, True]))
+    want("split/shared_stats", torch.tensor(True))
+    groups = [(_split_members(n, lambda i: i % 2, lambda i: -i)[rank % 2], 2, "split")]
+    groups.append((list(reversed(groups[0][0])), 3, "split/split"))
+    groups.append((_split_members(n, lambda i: 0, lambda i: n - i)[0], 4, "split/all"))
+    calls = sent = recv = 0
+    for members, tag, prefix in groups:
+        m, me = len(members), members.index(rank)
+        want(f"{prefix}/rank", torch.tensor([me, m], dtype=torch.int64))
+        want(f"{prefix}/allreduce", torch.full((5,), float(sum(i + 1 for i in members))))
+        for k, i in enumerate(members):
+            want(f"{prefix}/allgather/{k}", torch.arange(i + 1, dtype=torch.int32) + 100 * i)
+        want(f"{prefix}/broadcast", torch.full((7,), float(members[0])).bfloat16())
+        ins = [alltoall_input(torch.int64, (2 * m, 3), i, tag) for i in members]
+        want(f"{prefix}/alltoall", expected_alltoall(ins, me))
+        # the parent's stats grew by the sub-communicator's traffic (and the split itself)
+        ps = len(groups[0][0]) if prefix == "split/split" else n  # the world size of the split's parent
+        prev = groups[0][0].index(rank) if prefix == "split/split" else rank
+        s_sent, s_recv = cost.allgather_bytes([16] * ps, prev)
+        ar = cost.allreduce_bytes(5 * 4, m)
+        ag_sent, ag_recv = cost.allgather_bytes([4 * (i + 1) for i in members], me)
+        bc_sent, bc_recv = cost.broadcast_bytes(7 * 2, m, me, 0)
+        a2a = cost.alltoall_bytes(2 * m * 3 * 8, m)
+        calls += 6
+        sent += s_sent + ar + ag_sent + bc_sent + a2a
+        recv += s_recv + ar + ag_recv + bc_recv + a2a
+    want("split/stats_delta", torch.tensor([calls, sent, recv], dtype=torch.int64))
+    return problems
 
 
 def sim_reference(n: int) -> list[dict[str, Tensor]]:
@@ -141,24 +284,32 @@ def compare(got: dict[str, Tensor], want: dict[str, Tensor]) -> list[str]:
     return problems
 
 
-def _failure_phase(comm: Communicator, spec: str, fail_timeout: float) -> dict[str, Any] | None:
+def _failure_phase(comm: Communicator, spec: str, fail_timeout: float, on: str = "world") -> dict[str, Any] | None:
+    """``on="split"``: the failing allreduce runs on ``comm.split(0, key=-rank)`` (every rank,
+    in reverse order), after one barrier there, so that the diagnosis must name global ranks."""
     roles = dict(item.split(":") for item in spec.split(","))
     me = {kind for kind, who in roles.items() if int(who) == comm.rank}
     comm.barrier()
-    comm.timeout = fail_timeout
+    comms = [comm]
+    if on == "split":
+        comms.append(comm.split(0, key=-comm.rank))
+        comms[-1].barrier()
+    for c in comms:
+        c.timeout = fail_timeout
     if "die" in me:
         sys.stdout.flush()
         os._exit(1)
     if "stall" in me:
-        if getattr(comm, "_hb", None) is not None:
-            comm._hb.pause()  # torch: heartbeat stops
-        comm._responding = False  # mpi: no answers to pings
+        for c in comms:
+            if getattr(c, "_hb", None) is not None:
+                c._hb.pause()  # torch: heartbeat stops
+            c._responding = False  # mpi: no answers to pings
     if me:  # stall / behind: do not join; sleep until killed
         time.sleep(fail_timeout + 60)
         os._exit(0)
     t0 = time.monotonic()
     try:
-        comm.allreduce(torch.ones(1 << 12), "sum")
+        comms[-1].allreduce(torch.ones(1 << 12), "sum")
     except Exception as e:
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0,
                 "is_comm_error": isinstance(e, CommError)}
@@ -173,13 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="compare with an in-process sim reference")
     p.add_argument("--fail", default=None, help="failure phase, e.g. die:2 or stall:2,behind:3")
     p.add_argument("--fail-timeout", type=float, default=5.0)
+    p.add_argument("--fail-on", default="world", choices=["world", "split"],
+                   help="run the failing collective on the world or on a reversed split of it")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     comm = init_communicator(args.backend, timeout=args.timeout)
     results = run_battery(comm)
     status = 0
     if args.check:
-        problems = compare(results, sim_reference(comm.world_size)[comm.rank])
+        problems = self_check(results, comm.rank, comm.world_size)
+        problems += compare(results, sim_reference(comm.world_size)[comm.rank])
         print(f"rank {comm.rank}/{comm.world_size} {comm.backend}: "
               + ("PASS" if not problems else "FAIL\n  " + "\n  ".join(problems)), flush=True)
         status = 1 if problems else 0
@@ -189,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(results, tmp)
         os.replace(tmp, os.path.join(args.out, f"rank{comm.rank}.pt"))
     if args.fail:
-        report = _failure_phase(comm, args.fail, args.fail_timeout)
+        report = _failure_phase(comm, args.fail, args.fail_timeout, args.fail_on)
         if args.out and report is not None:
             with open(os.path.join(args.out, f"rank{comm.rank}.json"), "w") as f:
                 json.dump(report, f)

@@ -13,6 +13,15 @@ Contract (every backend):
   ``wait()`` returns the list of the ranks' tensors, indexed by rank, shapes preserved. Any dtype,
   including packed ``uint8`` bits.
 - ``broadcast_async(t, src)`` overwrites ``t`` in place with ``src``'s tensor.
+- ``alltoall_async(t)``: ``t``'s first dimension (size a multiple of ``world_size``) is cut into
+  ``world_size`` equal chunks; chunk ``j`` goes to rank ``j``. ``wait()`` returns a new tensor of
+  ``t``'s shape and dtype whose chunk ``i`` is the chunk rank ``i`` sent to this rank. Every rank
+  passes the same shape and dtype. Any dtype, packed ``uint8`` included.
+- ``split(colour, key=None)``: collective over this communicator; ranks passing the same
+  ``colour`` form a new communicator of the same backend, ranked by ``(key, rank)`` (``key``
+  defaults to this rank). The new communicator records into the *same* ``stats`` as its parent,
+  so a rank's totals cover all its traffic. Create sub-communicators at set-up, in the same order
+  on every rank.
 - ``barrier()``.
 - The synchronous forms are ``op_async(...).wait()``.
 - Every call records in ``self.stats`` the bytes this rank sends and receives, by the algorithm
@@ -131,6 +140,12 @@ class Communicator(ABC):
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle: ...
 
     @abstractmethod
+    def alltoall_async(self, tensor: Tensor) -> Handle: ...
+
+    @abstractmethod
+    def split(self, colour: int, key: int | None = None) -> Communicator: ...
+
+    @abstractmethod
     def barrier(self) -> None: ...
 
     def close(self) -> None:
@@ -146,6 +161,9 @@ class Communicator(ABC):
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
         return self.broadcast_async(tensor, src).wait()
 
+    def alltoall(self, tensor: Tensor) -> Tensor:
+        return self.alltoall_async(tensor).wait()
+
     def __enter__(self) -> Communicator:
         return self
 
@@ -158,3 +176,16 @@ class Communicator(ABC):
 
 def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def check_alltoall(tensor: Tensor, world_size: int) -> None:
+    """The shape rule of ``alltoall``: a first dimension that ``world_size`` divides."""
+    if tensor.dim() == 0 or tensor.shape[0] % world_size:
+        raise ValueError(f"alltoall needs a tensor whose first dimension is a multiple of the world size "
+                         f"{world_size}, got shape {tuple(tensor.shape)}")
+
+
+def split_order(colours: list[int], keys: list[int], colour: int) -> list[int]:
+    """Old ranks of the group of ``colour``, in new-rank order (by key, then old rank)."""
+    members = [r for r, c in enumerate(colours) if c == colour]
+    return sorted(members, key=lambda r: (keys[r], r))

@@ -12,6 +12,11 @@ per-message latency ``α`` in seconds. Algorithms (as NCCL/Gloo/Open MPI use for
 - pipelined chain broadcast from the root: every rank but the last in the chain sends S;
   time (n−1)·α + S·8/B (large-message pipelining).
 - barrier: a zero-byte allreduce, 2(n−1)·α.
+- pairwise-exchange alltoall of an S-byte buffer (n chunks of S/n): each rank sends and
+  receives (n−1)/n·S; time (n−1)·α + (n−1)/n·S·8/B.
+- two link levels (``sim`` with several ranks per node, ``gradzip simulate``): a group inside one
+  node runs on the intra-node link; a group that spans nodes is paced by the inter-node link
+  (a ring or pairwise schedule crosses it at every step).
 - hierarchical allreduce (``gradzip simulate``): reduce-scatter inside the node, ring allreduce
   between nodes of the node-local shard, allgather inside the node.
 """
@@ -59,6 +64,13 @@ def broadcast_bytes(nbytes: int, n: int, rank: int, src: int = 0) -> tuple[int, 
     return sent, recv
 
 
+def alltoall_bytes(nbytes: int, n: int) -> int:
+    """Bytes one rank sends (= receives) in an alltoall of an ``nbytes`` buffer (n equal chunks)."""
+    if n <= 1:
+        return 0
+    return ((n - 1) * nbytes) // n
+
+
 # ---------------------------------------------------------------- α–β time
 def allreduce_time(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
@@ -77,6 +89,19 @@ def broadcast_time(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
     return link.transfer(nbytes, messages=n - 1)
+
+
+def alltoall_time(nbytes: float, n: int, link: Link, per_node: int = 1, intra: Link | None = None) -> float:
+    """Pairwise exchange. ``per_node > 1`` (a group spanning nodes, ``per_node`` of its ranks on
+    each): the chunks for other nodes of all ``per_node`` ranks leave through the node's one
+    ``link``, and the chunks for the node's own ranks travel on ``intra``."""
+    if n <= 1:
+        return 0.0
+    if per_node <= 1 or intra is None:
+        return link.transfer((n - 1) / n * nbytes, messages=n - 1)
+    off_node = per_node * (n - per_node) / n * nbytes
+    on_node = (per_node - 1) / n * nbytes
+    return link.transfer(off_node, messages=n - per_node) + intra.transfer(on_node, messages=per_node - 1)
 
 
 def barrier_time(n: int, link: Link) -> float:

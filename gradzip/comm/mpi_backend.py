@@ -22,6 +22,19 @@ Data path:
   on a separate communicator, then ``Iallgatherv`` of the bytes. The header exchange is the one
   blocking step of the launch; it also catches ranks that are at different collectives or pass
   different dtypes.
+- alltoall: ``Ialltoall`` of the tensor's bytes (``MPI.BYTE``, n equal blocks) into a new tensor,
+  staged like allgather (CUDA tensors go directly to a CUDA-aware MPI, else through pinned host
+  memory, and the result comes back to the tensor's device). Shapes are not exchanged: every rank
+  passes the same shape and dtype (the contract). A tensor without elements is copied locally.
+- split: an ``Iallgather`` of ``(collective number, colour, key)`` on the header communicator
+  (waited with the timeout and the diagnosis of any collective: a missing rank is named, never a
+  hang), then ``MPI_Comm_split`` with the colour's index among the distinct colours and the rank's
+  position in the ``(key, rank)`` order, so the new ranks are exactly :func:`~gradzip.comm.base.
+  split_order`'s. The child is an ``MPICommunicator`` over that communicator: its own data, header
+  and ping communicators and its own progress thread (pings are answered per communicator), the
+  parent's ``stats`` and timeout. Its errors name **global** ranks (``MPI_COMM_WORLD``'s:
+  "global rank(s) [3] not responding"). The parent's ``close()`` closes its children first; a
+  child's ``close()`` is idempotent and frees only its own communicators.
 
 Open MPI progresses nonblocking collectives only inside MPI calls, so a progress thread calls
 ``MPI_Improbe`` every millisecond while collectives are in flight (every 20 ms otherwise); that is
@@ -38,7 +51,8 @@ no rank hangs. Run as ``mpiexec -n N python -m mpi4py -m gradzip ...`` (as ``spa
 that an uncaught exception on one rank aborts every rank instead of blocking in ``MPI_Finalize``.
 
 Bytes are accounted with :mod:`gradzip.comm.cost` (the header exchange is not counted, as in
-``sim``); seconds are measured launch → end of ``wait()``.
+``sim``; a split counts as ``sim`` counts it: op ``"split"``, an allgather of 16 bytes per rank);
+seconds are measured launch → end of ``wait()``.
 """
 
 from __future__ import annotations
@@ -65,12 +79,22 @@ from gradzip.comm._common import (
     describe,
     encode_header,
     mean_inplace,
+    raise_mismatch,
 )
-from gradzip.comm.base import DEFAULT_TIMEOUT_S, Communicator, Handle, ReduceOp, nbytes
+from gradzip.comm.base import (
+    DEFAULT_TIMEOUT_S,
+    Communicator,
+    Handle,
+    ReduceOp,
+    check_alltoall,
+    nbytes,
+    split_order,
+)
 from gradzip.errors import CommError, CommTimeout, GradzipError
 
 TAG_PING = 7001
 TAG_PONG = 7100  # + probe id % 10000
+SPLIT_ROW_BYTES = 16  # split accounts an allgather of (colour, key) as int64, as sim does
 
 
 def import_mpi() -> Any:
@@ -133,6 +157,15 @@ class MPICommunicator(Communicator):
         MPI = self.MPI = import_mpi()
         base = comm if comm is not None else MPI.COMM_WORLD
         super().__init__(base.Get_rank(), base.Get_size(), timeout)
+        self._children: list[MPICommunicator] = []  # from split(); closed by our close()
+        self._parent: MPICommunicator | None = None
+        # MPI_COMM_WORLD's rank of each of our ranks, for messages (None: ours are those).
+        world = MPI.COMM_WORLD.Get_group()
+        group = base.Get_group()
+        glob = [int(g) for g in group.Translate_ranks(list(range(self.world_size)), world)]
+        group.Free()
+        world.Free()
+        self._global = None if glob == list(range(MPI.COMM_WORLD.Get_size())) else glob
         # Separate communicators: data collectives, size headers, and the ping channel.
         self._data, self._meta, self._ctl = base.Dup(), base.Dup(), base.Dup()
         for c in (self._data, self._meta, self._ctl):
@@ -147,6 +180,7 @@ class MPICommunicator(Communicator):
         self._waiting = -1  # collective this rank is blocked in (for pings)
         self._inflight = 0
         self._broken = False
+        self._tree_broken = False  # set by close(): this one or a sub-communicator failed
         self._closed = False
         self._probe_id = 0
         self._ping_lock = threading.Lock()
@@ -226,19 +260,31 @@ class MPICommunicator(Communicator):
         behind = {p: v for p, v in answered.items() if v[0] <= seq}
         parts = []
         if silent:
-            parts.append(f"rank(s) {silent} not responding for {self.diagnose_s:g} s (dead or hung)")
+            parts.append(f"{self._ranks(silent)} not responding for {self.diagnose_s:g} s (dead or hung)")
         if behind:
             parts.append("alive but not at this collective yet: " + ", ".join(
-                (f"rank {p} (last launched #{k - 1}" if k else f"rank {p} (launched none")
+                (f"{self._rank(p)} (last launched #{k - 1}" if k else f"{self._rank(p)} (launched none")
                 + (f", waiting in #{w})" if w >= 0 else ")") for p, (k, w) in behind.items()))
         return "; ".join(parts) or "every rank responds and has launched it: the network or MPI library is stuck"
+
+    def _rank(self, r: int) -> str:
+        return f"rank {r}" if self._global is None else f"global rank {self._global[r]}"
+
+    def _ranks(self, rs: list[int]) -> str:
+        return f"rank(s) {rs}" if self._global is None else f"global rank(s) {[self._global[r] for r in rs]}"
+
+    def _where(self) -> str:
+        """This rank, for messages: a communicator other than MPI_COMM_WORLD names the global rank first."""
+        if self._global is None:
+            return f"rank {self.rank}"
+        return f"{self._rank(self.rank)} (rank {self.rank} of the sub-communicator of global ranks {self._global})"
 
     def _fail(self, desc: str, seq: int, err: BaseException | None) -> None:
         self._broken = True
         diag = self._diagnose(seq)
         if err is None:
-            raise CommTimeout(f"{desc} timed out after {self.timeout:g} s on rank {self.rank}: {diag}")
-        raise CommError(f"{desc} failed on rank {self.rank}: {diag} [mpi: {err}]") from err
+            raise CommTimeout(f"{desc} timed out after {self.timeout:g} s on {self._where()}: {diag}")
+        raise CommError(f"{desc} failed on {self._where()}: {diag} [mpi: {err}]") from err
 
     def _wait_req(self, req: Any, seq: int, desc: str) -> None:
         self._waiting = seq
@@ -341,7 +387,12 @@ class MPICommunicator(Communicator):
         header = encode_header(tensor, seq).numpy()
         headers = np.empty((n, HEADER_LEN), dtype=np.int64)
         self._wait_req(self._meta.Iallgather(header, headers), seq, desc + " size exchange")
-        dtype, shapes = decode_headers(torch.from_numpy(headers), desc, self.rank)
+        try:
+            dtype, shapes = decode_headers(torch.from_numpy(headers), desc, self.rank)
+        except CommError as e:
+            if self._global is None:
+                raise
+            raise CommError(f"{e} (ranks of the sub-communicator of global ranks {self._global})") from None
         esize = tensor.element_size()
         sizes = [math.prod(s) * esize for s in shapes]
         displs = [0]
@@ -379,21 +430,78 @@ class MPICommunicator(Communicator):
         sent, recv = cost.broadcast_bytes(nbytes(tensor), self.world_size, self.rank, src)
         return self._handle("broadcast", sent, recv, req, seq, desc, t0, after)
 
+    def alltoall_async(self, tensor: Tensor) -> Handle:
+        check_alltoall(tensor, self.world_size)
+        MPI = self.MPI
+        t0 = time.perf_counter()
+        seq = self._next()
+        desc = describe("alltoall", seq, tensor)
+        s = cost.alltoall_bytes(nbytes(tensor), self.world_size)
+        if tensor.numel() == 0:  # nothing to exchange
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            return TimedHandle(self, "alltoall", s, s, lambda: empty, t0, lambda: True)
+        src, _ = self._staged(tensor)
+        out = torch.empty(src.shape, dtype=src.dtype, device=src.device, pin_memory=tensor.is_cuda and not src.is_cuda)
+        # Raw bytes in n equal blocks: any dtype, packed bits and bf16 included.
+        send, recv = self._buf(src.reshape(-1).view(torch.uint8)), self._buf(out.view(-1).view(torch.uint8))
+        req = self._data.Ialltoall([send, MPI.BYTE], [recv, MPI.BYTE])
+
+        def after() -> Tensor:
+            return out.to(tensor.device) if out.device != tensor.device else out
+
+        return self._handle("alltoall", s, s, req, seq, desc, t0, after)
+
     def barrier(self) -> None:
         t0 = time.perf_counter()
         seq = self._next()
         self._wait_req(self._data.Ibarrier(), seq, f"barrier #{seq}")
         self.stats.record("barrier", 0, 0, time.perf_counter() - t0)
 
+    def split(self, colour: int, key: int | None = None) -> MPICommunicator:
+        """Collective: the ranks that pass the same ``colour`` form a new communicator (the same
+        class, the same ``stats`` and timeout), ranked by ``(key, rank)``; ``key`` defaults to
+        this rank. Sub-communicators of one parent must be created in the same order everywhere."""
+        colour, key = int(colour), self.rank if key is None else int(key)
+        t0 = time.perf_counter()
+        seq = self._next()
+        desc = f"split #{seq} (colour {colour}, key {key})"
+        rows = np.empty((self.world_size, 3), dtype=np.int64)
+        # Non-blocking and timed, unlike MPI_Comm_split: a missing rank is named here, not hung on.
+        self._wait_req(self._meta.Iallgather(np.array([seq, colour, key], dtype=np.int64), rows), seq, desc)
+        if len(set(rows[:, 0].tolist())) != 1:
+            raise_mismatch(desc, self.rank, "collective numbers", rows[:, 0].tolist())
+        colours, keys = rows[:, 1].tolist(), rows[:, 2].tolist()
+        # MPI wants a non-negative int colour and an int key: pass the colour's index and our place.
+        order = split_order(colours, keys, colour)
+        try:
+            base = self._meta.Split(sorted(set(colours)).index(colour), order.index(self.rank))
+        except self.MPI.Exception as e:
+            self._fail(desc, seq, e)
+        try:
+            child = type(self)(base, self.timeout, diagnose_s=self.diagnose_s, progress_thread=self._thread is not None)
+        finally:
+            base.Free()  # the child works on its own duplicates
+        child.stats = self.stats  # a rank's totals cover all its traffic
+        child._parent = self
+        self._children.append(child)
+        sent, recv = cost.allgather_bytes([SPLIT_ROW_BYTES] * self.world_size, self.rank)
+        self.stats.record("split", sent, recv, time.perf_counter() - t0)
+        return child
+
     def close(self) -> None:
-        """Stop the progress thread and free the communicators (not after a failure: freeing may
-        wait on the failed operation). After a failure, first keep answering pings for
-        ``diagnose_s``: once this rank exits, mpirun ends the job, and the other ranks may still be
-        naming the lost ranks. Does not finalize MPI (mpi4py does that at exit)."""
+        """Close the sub-communicators, stop the progress thread and free the communicators (not
+        after a failure: freeing may wait on the failed operation). After a failure, first keep
+        answering pings for ``diagnose_s``: once this rank exits, mpirun ends the job, and the other
+        ranks may still be naming the lost ranks. Idempotent; a sub-communicator frees only its own
+        communicators. Does not finalize MPI (mpi4py does that at exit)."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
+        for child in self._children:  # before our own teardown: they may still answer pings
+            child.close()
+        # After a failure here or below, a peer may be gone: free nothing that may wait on it.
+        self._tree_broken = self._broken or any(c._tree_broken for c in self._children)
         if self._broken:
             end = time.monotonic() + self.diagnose_s + 0.5
             while time.monotonic() < end:
@@ -402,7 +510,7 @@ class MPICommunicator(Communicator):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._broken or self.MPI.Is_finalized():
+        if self._tree_broken or self.MPI.Is_finalized():
             return
         for c in (self._data, self._meta, self._ctl):
             c.Free()

@@ -16,6 +16,13 @@ Two ways to drive it:
 Time is a virtual clock: each operation is charged its α–β time from :mod:`gradzip.comm.cost` for
 the world's :class:`Link` (``clock == "modelled"``). Bytes are counted with the same formulas as
 the real backends.
+
+Two link levels: with ``ranks_per_node=k``, workers ``0..k-1`` share node 0, and so on. A group
+(the whole world or a :meth:`SimCommunicator.split` of it) inside one node runs on the intra-node
+link (``intra_bandwidth``, ``intra_latency``); a group that spans nodes is paced by the inter-node
+link. Groups of one split that cross the same node's network card at the same time (one group per
+local rank) share its bandwidth; an alltoall that spans nodes sends the traffic of every rank of
+a node through that node's card (:func:`gradzip.comm.cost.alltoall_time`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from torch import Tensor
 
 from gradzip.comm import cost
 from gradzip.comm._common import mean_inplace
-from gradzip.comm.base import DEFAULT_TIMEOUT_S, Communicator, Handle, ReduceOp, nbytes
+from gradzip.comm.base import DEFAULT_TIMEOUT_S, Communicator, Handle, ReduceOp, check_alltoall, nbytes, split_order
 from gradzip.errors import CommError, CommTimeout
 from gradzip.units import parse_bandwidth, parse_latency
 
@@ -64,20 +71,46 @@ class SimHandle(Handle):
 
 
 class SimWorld:
-    """``n`` virtual workers connected by a modelled link."""
+    """``n`` virtual workers connected by a modelled link (two levels with ``ranks_per_node``)."""
 
     def __init__(self, n: int, bandwidth: str | float = "1gbit", latency: str | float = "50us",
-                 timeout: float = DEFAULT_TIMEOUT_S, threaded: bool = False) -> None:
+                 timeout: float = DEFAULT_TIMEOUT_S, threaded: bool = False, *, ranks_per_node: int = 1,
+                 intra_bandwidth: str | float = "100gbit", intra_latency: str | float = "5us") -> None:
         if n < 1:
             raise ValueError(f"sim world size must be >= 1, got {n}")
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
         self.n = n
-        self.link = cost.Link(parse_bandwidth(bandwidth), parse_latency(latency))
+        self.ranks_per_node = ranks_per_node
+        self.inter = cost.Link(parse_bandwidth(bandwidth), parse_latency(latency))
+        self.intra = cost.Link(parse_bandwidth(intra_bandwidth), parse_latency(intra_latency))
         self.timeout = timeout
         self.threaded = threaded
+        self.members = list(range(n))  # global ranks of this (sub)world, by its rank
+        self.share = 1  # concurrent groups of one split through each node's card
         self._ops: dict[int, _Op] = {}
         self._ops_done_time: dict[int, float] = {}
         self._cond = threading.Condition()
+        self._lock = self._cond
         self.comms = [SimCommunicator(self, r) for r in range(n)]
+
+    @property
+    def nodes(self) -> list[int]:
+        """The node of each member of this world, by rank."""
+        return [g // self.ranks_per_node for g in self.members]
+
+    @property
+    def per_node(self) -> int:
+        """The most members of this world on one node."""
+        nodes = self.nodes
+        return max(nodes.count(x) for x in set(nodes))
+
+    @property
+    def link(self) -> cost.Link:
+        """The link that paces this world's collectives: intra-node if every member shares a node."""
+        if len(set(self.nodes)) == 1:
+            return self.intra
+        return cost.Link(self.inter.bandwidth_bps / self.share, self.inter.latency_s)
 
     def __getitem__(self, rank: int) -> SimCommunicator:
         return self.comms[rank]
@@ -158,6 +191,21 @@ class SimWorld:
             for r in range(n):
                 s, rcv = cost.allgather_bytes(sizes, r)
                 self.comms[r].stats.record("allgather", s, rcv, op.modelled_s)
+        elif op.kind == "alltoall":
+            views = [t.reshape(n, t.shape[0] // n, *t.shape[1:]) for t in ins]  # equal first-dim chunks
+            op.results = [torch.cat([v[r] for v in views], 0) for r in range(n)]
+            size = nbytes(ins[0])
+            spans = len(set(self.nodes)) > 1
+            op.modelled_s = cost.alltoall_time(size, n, link, self.per_node if spans else 1, self.intra)
+            for r in range(n):
+                s = cost.alltoall_bytes(size, n)
+                self.comms[r].stats.record("alltoall", s, s, op.modelled_s)
+        elif op.kind == "split":
+            op.results = self._split([int(t[0]) for t in ins], [int(t[1]) for t in ins])
+            op.modelled_s = cost.allgather_time([16] * n, link)  # the colours travel as an allgather
+            for r in range(n):
+                s, rcv = cost.allgather_bytes([16] * n, r)
+                self.comms[r].stats.record("split", s, rcv, op.modelled_s)
         elif op.kind == "broadcast":
             src = op.arg
             for r, t in enumerate(ins):
@@ -177,10 +225,42 @@ class SimWorld:
             if not self.threaded:  # nobody waits on a single-threaded barrier: free it now
                 del self._ops[seq]
         self._ops_done_time[seq] = op.modelled_s
+        if op.kind == "split" and not self.threaded:  # the endpoints are already bound: free it
+            del self._ops[seq]
         if len(self._ops_done_time) > 4096:  # bounded: only recent ops are asked about
             for k in sorted(self._ops_done_time)[:2048]:
                 del self._ops_done_time[k]
         op.done = True
+
+
+    def _split(self, colours: list[int], keys: list[int]) -> list[SimCommunicator]:
+        """Build one sub-world per colour and bind each caller's pending endpoint to it."""
+        groups = {c: split_order(colours, keys, c) for c in sorted(set(colours))}
+        worlds: dict[int, SimWorld] = {}
+        for c, ranks in groups.items():
+            sub = SimWorld.__new__(SimWorld)
+            sub.n, sub.ranks_per_node, sub.inter, sub.intra = len(ranks), self.ranks_per_node, self.inter, self.intra
+            sub.timeout, sub.threaded = self.timeout, self.threaded
+            sub.members = [self.members[r] for r in ranks]
+            sub.share, sub._ops, sub._ops_done_time = 1, {}, {}
+            sub._cond = sub._lock = threading.Condition()
+            sub.comms = []
+            worlds[c] = sub
+        # Groups that span nodes at once share each node's card: count them per node.
+        spanning = [w for w in worlds.values() if len(set(w.nodes)) > 1]
+        per_node: dict[int, int] = {}
+        for w in spanning:
+            for node in set(w.nodes):
+                per_node[node] = per_node.get(node, 0) + 1
+        for w in spanning:
+            w.share = max(per_node[node] for node in set(w.nodes))
+        bound: dict[int, SimCommunicator] = {}
+        for c, ranks in groups.items():
+            for new_rank, old in enumerate(ranks):
+                child = bound[old] = self.comms[old]._pending.pop(0)
+                child._bind(worlds[c], new_rank)
+                worlds[c].comms.append(child)
+        return [bound[r] for r in range(self.n)]
 
 
 class SimCommunicator(Communicator):
@@ -193,6 +273,38 @@ class SimCommunicator(Communicator):
         super().__init__(rank, world.n, world.timeout)
         self.world = world
         self._seq = 0
+        self._pending: list[SimCommunicator] = []  # split() endpoints not bound yet
+
+    def __getattr__(self, name: str) -> Any:  # only for attributes not set yet: an unbound split
+        if name in ("rank", "world_size", "world", "_seq"):
+            raise CommError("sim: this communicator comes from a split() that not every worker has called yet; "
+                            "call split on every worker before using the new communicators")
+        raise AttributeError(name)
+
+    def _bind(self, world: SimWorld, rank: int) -> None:
+        self.world, self.rank, self.world_size, self._seq = world, rank, world.n, 0
+        self.timeout = world.timeout
+
+    @property
+    def node(self) -> int:
+        """This worker's node (global rank // ranks_per_node)."""
+        return self.world.members[self.rank] // self.world.ranks_per_node
+
+    def alltoall_async(self, tensor: Tensor) -> Handle:
+        check_alltoall(tensor, self.world_size)
+        return self.world._launch(self.rank, "alltoall", tensor)
+
+    def split(self, colour: int, key: int | None = None) -> SimCommunicator:
+        """See the contract. Single-threaded, the endpoint is returned at once and becomes usable
+        when every worker has called ``split``; threaded, the call waits for the others."""
+        child = SimCommunicator.__new__(SimCommunicator)
+        child.stats, child._pending = self.stats, []  # one account per rank, parent and children
+        self._pending.append(child)
+        ck = torch.tensor([int(colour), self.rank if key is None else int(key)], dtype=torch.int64)
+        h = self.world._launch(self.rank, "split", ck)
+        if self.world.threaded:
+            h.wait()
+        return child
 
     def allreduce_async(self, tensor: Tensor, op: ReduceOp = "sum") -> Handle:
         if op not in ("sum", "mean"):

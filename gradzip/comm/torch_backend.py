@@ -19,18 +19,38 @@ How each collective maps onto torch.distributed (all ``async_op=True``; ``wait()
   collective with the same dtype. (2) ``all_gather`` of the flattened payloads padded to the
   largest, launched async; ``wait()`` trims and reshapes (results are views of one buffer).
 - broadcast: ``broadcast`` in place. barrier: a Gloo barrier on the side group.
+- alltoall: ``all_to_all_single`` of the tensor's bytes (a ``uint8`` view, so every dtype works,
+  bool and complex included; Gloo on CPU supports it in torch 2.13) into a new tensor. Shape and
+  dtype are not exchanged: every rank must pass the same (the contract). A tensor without
+  elements, or a world of one, is copied locally.
+- split: an int64 allgather of ``(collective number, colour, key)`` on the side group, then one
+  data group and one Gloo side group per colour. For a split of the top-level communicator every
+  process of the job is present, so it uses torch's public ``new_group`` for every colour in sorted
+  order on every process (as torch requires). A split of a sub-communicator only has that
+  sub-group's processes, which ``new_group`` cannot serve (it must be entered by every process of
+  the job); it creates the groups through torch's internal group helper under a name that every
+  member derives alike (Gloo), or with ``split_group`` from the parent (NCCL, needs a device bound
+  to the default group, as ``init_communicator`` does). torch orders a group's ranks by global
+  rank; where the ``(key, rank)`` order differs, allgather results, broadcast roots and alltoall
+  chunks are mapped between the two orders (zero-copy: alltoall then uses ``all_to_all`` on chunk
+  views). A sub-communicator records into its parent's ``stats``, has its own heartbeat and
+  collective numbering, and is closed (idempotent) by its parent's ``close()``; closing it
+  destroys only its own two groups.
 
-Bytes are accounted with :mod:`gradzip.comm.cost` (padding and the header are not counted, as in
-``sim``); seconds are measured launch → end of ``wait()``.
+Bytes are accounted with :mod:`gradzip.comm.cost` (padding and headers are not counted, as in ``sim``;
+a split counts as ``sim`` counts it: op ``"split"``, an allgather of 16 bytes per rank); seconds are
+measured launch → end of ``wait()``.
 
-Failure detection. Every rank runs a heartbeat thread that writes ``beat, collectives launched,
-state`` into the rendezvous store every 0.25 s. When a collective fails (Gloo reports a closed
-connection at once when a peer dies; NCCL only by timeout) or times out, the rank watches the
-heartbeats for ``diagnose_s`` (2 s) and names, in the :class:`~gradzip.errors.CommError`, the ranks
-whose heartbeat stopped (lost), the ones that reported an error themselves, and live ranks that
-have not launched the collective yet. So the error arrives at most ``timeout + diagnose_s`` after
-``wait()`` began. If the store itself is gone, its host (rank 0, unless torchrun's agent hosts it)
-is named as lost.
+Failure detection. Every rank runs a heartbeat thread (:mod:`gradzip.comm._heartbeat`) that writes
+``beat, collectives launched, state`` into the rendezvous store every 0.25 s. When a collective
+fails (Gloo reports a closed connection at once when a peer dies; NCCL only by timeout) or times
+out, the rank watches the heartbeats for ``diagnose_s`` (2 s) and names, in the
+:class:`~gradzip.errors.CommError`, the ranks whose heartbeat stopped (lost), the ones that reported
+an error themselves, and live ranks that have not launched the collective yet. So the error arrives
+at most ``timeout + diagnose_s`` after ``wait()`` began. If the store itself is gone, its host
+(rank 0, unless torchrun's agent hosts it) is named as lost. A sub-communicator's errors name
+**global** ranks ("lost global rank(s) [3]", "on global rank 1 (rank 0 of the sub-communicator
+of global ranks [1, 3])"); the top-level communicator's ranks are the global ones.
 """
 
 from __future__ import annotations
@@ -42,7 +62,6 @@ import os
 import re
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -53,142 +72,27 @@ from torch import Tensor
 
 from gradzip.comm import cost
 from gradzip.comm._common import (
-    HEADER_LEN,
     TimedHandle,
     as_contiguous,
     decode_headers,
     describe,
     encode_header,
     mean_inplace,
+    raise_mismatch,
 )
-from gradzip.comm.base import DEFAULT_TIMEOUT_S, Communicator, Handle, ReduceOp, nbytes
+from gradzip.comm._heartbeat import Heartbeat
+from gradzip.comm.base import (
+    DEFAULT_TIMEOUT_S,
+    Communicator,
+    Handle,
+    ReduceOp,
+    check_alltoall,
+    nbytes,
+    split_order,
+)
 from gradzip.errors import CommError, CommTimeout, GradzipError
 
-_HB_PREFIX = "gradzip_hb/"
-
-
-class _Heartbeat:
-    """Liveness and progress of every rank through the rendezvous store (see module docstring)."""
-
-    def __init__(self, store: dist.Store, rank: int, world_size: int, progress: Callable[[], int],
-                 interval: float = 0.25, store_host: int | None = 0, instance: int = 0) -> None:
-        self.store, self.rank, self.n = store, rank, world_size
-        self.instance = instance  # communicators are created in the same order on every rank
-        self.progress = progress  # () -> collectives launched so far
-        self.interval = interval
-        self.store_host = store_host  # the rank whose process serves the store (None: torchrun's agent)
-        self.state = "ok"
-        self._beat = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._paused = False  # tests: simulate a hung rank
-        self._write()  # synchronously, so that every key exists after the init barrier
-        self._thread = threading.Thread(target=self._run, name=f"gradzip-heartbeat-{rank}", daemon=True)
-        self._thread.start()
-
-    def _key(self, r: int) -> str:
-        return f"{_HB_PREFIX}{self.instance}/{r}"
-
-    def _write(self) -> None:
-        with self._lock:
-            self._beat += 1
-            self.store.set(self._key(self.rank), f"{self._beat} {self.progress()} {self.state}")
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            if self._paused:
-                continue
-            try:
-                self._write()
-            except Exception:  # store gone (its host exited): nothing left to tell
-                return
-
-    def pause(self) -> None:
-        """Stop beating but keep the thread (tests use it to simulate a hung rank)."""
-        self._paused = True
-
-    def set_state(self, state: str) -> None:
-        self.state = state
-        try:
-            self._write()
-        except Exception:
-            pass
-
-    def stop(self, state: str = "closed") -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.set_state(state)
-
-    def linger(self, seconds: float, until_all_stopped: bool) -> None:
-        """Keep the store (served by this process) up for the others: until every other rank has
-        stopped its heartbeat (``until_all_stopped``), or for ``seconds`` (they are diagnosing)."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            if until_all_stopped:
-                cur = self._read()
-                if cur is None or all(cur[r][2] != "ok" for r in range(self.n) if r != self.rank):
-                    return
-            time.sleep(self.interval / 5)
-
-    def _read(self) -> dict[int, tuple[int, int, str]] | None:
-        try:
-            vals = self.store.multi_get([self._key(r) for r in range(self.n)])
-        except Exception:
-            return None
-        out = {}
-        for r, v in enumerate(vals):
-            beat, seq, state = v.decode().split(" ", 2)
-            out[r] = (int(beat), int(seq), state)
-        return out
-
-    def diagnose(self, seq: int, window: float) -> str:
-        """Watch the heartbeats for up to ``window`` s and describe who is lost or behind."""
-        first = self._read()
-        if first is None:
-            return self._store_gone_text()
-        others = [r for r in range(self.n) if r != self.rank]
-        advanced: set[int] = set()
-        last = first
-        t0 = time.monotonic()
-        store_gone = False
-        settled = {r for r in others if first[r][2] != "ok"}  # reported an error, or closed
-        while time.monotonic() < t0 + window and len(advanced | settled) < len(others):
-            time.sleep(self.interval)
-            cur = self._read()
-            if cur is None:  # e.g. rank 0 exited after its own error: judge by what was seen so far
-                store_gone = True
-                break
-            last = cur
-            advanced |= {r for r in others if cur[r][0] != first[r][0]}
-            settled |= {r for r in others if cur[r][2] != "ok"}
-        watched = time.monotonic() - t0
-        failed = [r for r in others if last[r][2].startswith("error")]
-        closed = [r for r in others if last[r][2] == "closed"]
-        silent = [r for r in others if r not in advanced and r not in failed and r not in closed]
-        # A heartbeat is only called lost after several missed beats.
-        lost = silent if watched >= 3 * self.interval else []
-        behind = {r: last[r][1] for r in others
-                  if r in advanced and 0 <= last[r][1] <= seq and r not in failed and r not in closed}
-        parts = []
-        if lost:
-            parts.append(f"lost rank(s) {lost} (no heartbeat for {watched:.1f} s)")
-        if failed:
-            parts.append(f"rank(s) {failed} failed themselves (see their logs)")
-        if closed:
-            parts.append(f"rank(s) {closed} closed their communicator (finished, or failed outside a collective)")
-        if behind:
-            parts.append("alive but not at this collective yet: " + ", ".join(
-                f"rank {r} (last launched #{k - 1})" if k else f"rank {r} (launched none)" for r, k in behind.items()))
-        if store_gone:
-            parts.append(self._store_gone_text(exited_after_error=self.store_host in failed + closed))
-        return "; ".join(parts) or "no rank is lost: every heartbeat advances and every rank launched it"
-
-    def _store_gone_text(self, exited_after_error: bool = False) -> str:
-        if self.store_host is None:
-            return "the torchrun agent's store is unreachable (the agent or its host is gone)"
-        if exited_after_error:
-            return f"rank {self.store_host} then exited, taking the rendezvous store it hosts with it"
-        return f"lost rank {self.store_host} (the rendezvous store it hosts is unreachable)"
+SPLIT_ROW_BYTES = 16  # split accounts an allgather of (colour, key) as int64, as sim does
 
 
 class TorchCommunicator(Communicator):
@@ -201,10 +105,8 @@ class TorchCommunicator(Communicator):
                  master_addr: str | None = None, master_port: int | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None,
                  heartbeat_s: float = 0.25, diagnose_s: float = 2.0) -> None:
+        self._blank()
         self._owns_pg = not dist.is_initialized()
-        self._broken = False
-        self._hb: _Heartbeat | None = None
-        self._side = None
         if self._owns_pg:
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
@@ -214,27 +116,47 @@ class TorchCommunicator(Communicator):
                 raise GradzipError("torch backend: rank and world size unknown: start under torchrun/mpirun/srun, "
                                    "use `gradzip train --workers N`, or pass rank= and world_size=")
             _init_process_group(backend, rank, world_size, master_addr, master_port, timeout, device)
-        self.group = dist.group.WORLD
-        self.dist_backend = dist.get_backend(self.group)
-        super().__init__(dist.get_rank(), dist.get_world_size(), timeout)
+        # A Gloo side group for size headers and barriers: never queued behind large data ops.
+        side = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        TorchCommunicator._instances += 1
+        self._start(dist.group.WORLD, side, list(range(dist.get_world_size())), None,
+                    str(TorchCommunicator._instances), timeout, device, heartbeat_s, diagnose_s)
+        atexit.register(self.close)  # also on an uncaught CommError: see close()
+
+    def _blank(self) -> None:
+        """The fields that close() and the timeout setter read, before any group exists."""
+        self._owns_pg = False  # this communicator initialised the default group (top level only)
+        self._broken = False  # a collective of this communicator failed
+        self._tree_broken = False  # (on the top-level one) a collective of it or of a descendant failed
+        self._closed = False
+        self._hb: Heartbeat | None = None
+        self._side = None
+        self._parent: TorchCommunicator | None = None
+        self._root: TorchCommunicator = self
+        self._children: list[TorchCommunicator] = []
+        self._splits = 0
+
+    def _start(self, group, side, members: list[int], perm: list[int] | None, instance: str, timeout: float,
+               device: torch.device | None, heartbeat_s: float, diagnose_s: float) -> None:
+        """Adopt ``group``/``side`` (every member calls this): ``members[r]`` is the global rank of
+        this communicator's rank ``r``; ``perm[r]`` its rank in torch's group (None: the same)."""
+        self.group, self._side, self._members, self._perm = group, side, members, perm
+        self.dist_backend = dist.get_backend(group)
+        super().__init__(members.index(dist.get_rank()), len(members), timeout)
         self.device = device or (torch.device("cuda", torch.cuda.current_device())
                                  if self.dist_backend == "nccl" else torch.device("cpu"))
-        self.diagnose_s = diagnose_s
+        self.diagnose_s, self._heartbeat_s = diagnose_s, heartbeat_s
         self._seq = 0
-        td = timedelta(seconds=timeout)
-        # A Gloo side group for size headers and barriers: never queued behind large data ops.
-        self._side = dist.new_group(backend="gloo", timeout=td)
+        self._instance = instance
         store = dist.distributed_c10d._get_default_store()
         try:
             store = store.clone()  # its own connection: the heartbeat thread never contends with c10d
         except Exception:
             pass
         host = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
-        TorchCommunicator._instances += 1
-        self._hb = _Heartbeat(store, self.rank, self.world_size, lambda: self._seq, heartbeat_s, host,
-                              TorchCommunicator._instances)
-        self._wait_work(dist.barrier(group=self._side, async_op=True), -1, "init barrier")
-        atexit.register(self.close)  # also on an uncaught CommError: see close()
+        self._hb = Heartbeat(store, self.rank, self.world_size, lambda: self._seq, heartbeat_s, host, instance,
+                             None if self._parent is None else members)
+        self._wait_work(dist.barrier(group=side, async_op=True), -1, "init barrier")
 
     # -- timeout also bounds the ops inside Gloo/NCCL -----------------------------------
     @property
@@ -245,9 +167,8 @@ class TorchCommunicator(Communicator):
     def timeout(self, value: float) -> None:
         self._timeout = float(value)
         # Our own groups only: a process group adopted from the user (DDP) keeps its timeout.
-        groups = (getattr(self, "group", None) if getattr(self, "_owns_pg", False) else None,
-                  getattr(self, "_side", None))
-        for g in groups:
+        own = getattr(self, "_owns_pg", False) or getattr(self, "_parent", None) is not None
+        for g in (getattr(self, "group", None) if own else None, getattr(self, "_side", None)):
             if g is not None:
                 try:
                     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self._timeout), g)
@@ -260,8 +181,15 @@ class TorchCommunicator(Communicator):
         self._seq += 1
         return seq
 
+    def _where(self) -> str:
+        """This rank, for messages: sub-communicators name the global rank first."""
+        if self._parent is None:
+            return f"rank {self.rank}"
+        return (f"global rank {self._members[self.rank]} (rank {self.rank} of the sub-communicator of global "
+                f"ranks {self._members})")
+
     def _fail(self, desc: str, seq: int, err: BaseException, timed_out: bool) -> None:
-        self._broken = True
+        self._broken = self._root._tree_broken = True
         if self._hb is not None:
             self._hb.set_state(f"error:{desc}")
             diag = self._hb.diagnose(seq, self.diagnose_s)
@@ -273,7 +201,7 @@ class TorchCommunicator(Communicator):
         # The backend's own words add nothing to "timed out" (they stay in the chained exception).
         said = "" if timed_out and _is_timeout(RuntimeError(detail)) else f" [{self.dist_backend}: {detail}]"
         cls = CommTimeout if timed_out else CommError
-        raise cls(f"{desc} {what} on rank {self.rank}: {diag}{said}") from err
+        raise cls(f"{desc} {what} on {self._where()}: {diag}{said}") from err
 
     def _launch(self, desc: str, seq: int, fn: Callable[[], dist.Work]) -> dist.Work:
         try:
@@ -294,6 +222,14 @@ class TorchCommunicator(Communicator):
     def _check(self, t: Tensor) -> None:
         if self.dist_backend == "nccl" and not t.is_cuda:
             raise ValueError(f"NCCL communicator needs CUDA tensors, got one on {t.device}")
+
+    def _gather_rows(self, desc: str, seq: int, row: Tensor) -> Tensor:
+        """Blocking int64 allgather of one row per rank on the side group, in this communicator's
+        rank order (the allgather header, the split's colours)."""
+        rows = torch.empty(self.world_size, row.numel(), dtype=torch.int64)
+        w = self._launch(desc, seq, lambda: dist.all_gather(list(rows.unbind(0)), row, self._side, async_op=True))
+        self._wait_work(w, seq, desc)
+        return rows if self._perm is None else rows[self._perm]
 
     # -- the contract -------------------------------------------------------------------
     def allreduce_async(self, tensor: Tensor, op: ReduceOp = "sum") -> Handle:
@@ -323,12 +259,13 @@ class TorchCommunicator(Communicator):
         seq = self._next()
         desc = describe("allgather", seq, tensor)
         n = self.world_size
-        header = encode_header(tensor, seq)
-        headers = torch.empty(n, HEADER_LEN, dtype=torch.int64)
-        w = self._launch(desc, seq, lambda: dist.all_gather(list(headers.unbind(0)), header, self._side,
-                                                            async_op=True))
-        self._wait_work(w, seq, desc + " size exchange")
-        dtype, shapes = decode_headers(headers, desc, self.rank)
+        headers = self._gather_rows(desc + " size exchange", seq, encode_header(tensor, seq))
+        try:
+            dtype, shapes = decode_headers(headers, desc, self.rank)
+        except CommError as e:
+            if self._parent is None:
+                raise
+            raise CommError(f"{e} (ranks of the sub-communicator of global ranks {self._members})") from None
         numels = [math.prod(s) for s in shapes]
         sent, recv = cost.allgather_bytes([k * tensor.element_size() for k in numels], self.rank)
         m = max(numels)
@@ -341,13 +278,14 @@ class TorchCommunicator(Communicator):
         else:  # pad to the largest; the tail is never read
             padded = flat.new_empty(m)
             padded[:flat.numel()].copy_(flat)
-        out = torch.empty((n, m), dtype=dtype, device=tensor.device)
+        out = torch.empty((n, m), dtype=dtype, device=tensor.device)  # rows in torch's group order
         work = self._launch(desc, seq, lambda: dist.all_gather(list(out.unbind(0)), padded, self.group,
                                                                async_op=True))
+        row = self._perm or list(range(n))
 
         def finish() -> list[Tensor]:
             self._wait_work(work, seq, desc)
-            return [out[r, :numels[r]].view(shapes[r]) for r in range(n)]
+            return [out[row[r], :numels[r]].view(shapes[r]) for r in range(n)]
 
         return TimedHandle(self, "allgather", sent, recv, finish, t0, work.is_completed)
 
@@ -359,7 +297,8 @@ class TorchCommunicator(Communicator):
         seq = self._next()
         desc = describe("broadcast", seq, tensor, f"from rank {src}")
         buf, write_back = as_contiguous(tensor)
-        work = self._launch(desc, seq, lambda: dist.broadcast(buf, src, self.group, async_op=True))
+        root = self._members[src]  # torch.distributed takes the root's global rank
+        work = self._launch(desc, seq, lambda: dist.broadcast(buf, root, self.group, async_op=True))
 
         def finish() -> Tensor:
             self._wait_work(work, seq, desc)
@@ -370,6 +309,37 @@ class TorchCommunicator(Communicator):
         sent, recv = cost.broadcast_bytes(nbytes(tensor), self.world_size, self.rank, src)
         return TimedHandle(self, "broadcast", sent, recv, finish, t0, work.is_completed)
 
+    def alltoall_async(self, tensor: Tensor) -> Handle:
+        check_alltoall(tensor, self.world_size)
+        self._check(tensor)
+        t0 = time.perf_counter()
+        seq = self._next()
+        desc = describe("alltoall", seq, tensor)
+        n = self.world_size
+        s = cost.alltoall_bytes(nbytes(tensor), n)
+        src = tensor.contiguous()
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        if n == 1 or tensor.numel() == 0:  # nothing to exchange
+            out.copy_(src)
+            return TimedHandle(self, "alltoall", s, s, lambda: out, t0, lambda: True)
+        # Raw bytes: every dtype travels, whichever dtypes the library itself handles.
+        send, recv = src.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)
+        if self._perm is None:
+            work = self._launch(desc, seq, lambda: dist.all_to_all_single(recv, send, group=self.group,
+                                                                          async_op=True))
+        else:  # torch's rank g is our rank c with perm[c] == g: hand it the chunk views in its order
+            step = send.numel() // n
+            ins, outs = send.split(step), recv.split(step)
+            mine = sorted(range(n), key=lambda c: self._perm[c])  # ours, by torch's rank
+            work = self._launch(desc, seq, lambda: dist.all_to_all([outs[c] for c in mine], [ins[c] for c in mine],
+                                                                   group=self.group, async_op=True))
+
+        def finish() -> Tensor:
+            self._wait_work(work, seq, desc)
+            return out
+
+        return TimedHandle(self, "alltoall", s, s, finish, t0, work.is_completed)
+
     def barrier(self) -> None:
         t0 = time.perf_counter()
         seq = self._next()
@@ -377,28 +347,105 @@ class TorchCommunicator(Communicator):
         self._wait_work(work, seq, f"barrier #{seq}")
         self.stats.record("barrier", 0, 0, time.perf_counter() - t0)
 
+    def split(self, colour: int, key: int | None = None) -> TorchCommunicator:
+        """Collective: the ranks that pass the same ``colour`` form a new communicator (the same
+        class, the same ``stats`` and timeout), ranked by ``(key, rank)``; ``key`` defaults to
+        this rank. Sub-communicators of one parent must be created in the same order everywhere."""
+        colour, key = int(colour), self.rank if key is None else int(key)
+        t0 = time.perf_counter()
+        seq = self._next()
+        desc = f"split #{seq} (colour {colour}, key {key})"
+        rows = self._gather_rows(desc, seq, torch.tensor([seq, colour, key], dtype=torch.int64)).tolist()
+        if len({r[0] for r in rows}) != 1:
+            raise_mismatch(desc, self.rank, "collective numbers", [r[0] for r in rows])
+        colours, keys = [r[1] for r in rows], [r[2] for r in rows]
+        # The same on every member (parent's key, its split count, colour): names heartbeats and groups.
+        instance = f"{self._instance}.{self._splits}.{colour}"
+        self._splits += 1
+        try:
+            group, side = self._new_groups(colours, keys, colour, instance)
+        except RuntimeError as e:  # DistError and Gloo's connect errors; bad arguments pass through
+            self._fail(desc, seq, e, _is_timeout(e))
+        members = [self._members[i] for i in split_order(colours, keys, colour)]
+        torch_order = dist.get_process_group_ranks(group)
+        perm = [torch_order.index(g) for g in members]
+        child = type(self).__new__(type(self))
+        child._blank()
+        child._parent, child._root = self, self._root
+        child._start(group, side, members, None if perm == sorted(perm) else perm, instance, self.timeout,
+                     self.device, self._heartbeat_s, self.diagnose_s)
+        child.stats = self.stats  # a rank's totals cover all its traffic
+        self._children.append(child)
+        sent, recv = cost.allgather_bytes([SPLIT_ROW_BYTES] * self.world_size, self.rank)
+        self.stats.record("split", sent, recv, time.perf_counter() - t0)
+        return child
+
+    def _new_groups(self, colours: list[int], keys: list[int], colour: int, instance: str) -> tuple:
+        """(data group, Gloo side group) of this rank's colour (see the module docstring)."""
+        td = timedelta(seconds=self.timeout)
+        orders = {c: split_order(colours, keys, c) for c in sorted(set(colours))}
+        if self._parent is None:  # every process of the job is here: every one creates every group, in order
+            extra = {"device_id": self.device} if self.dist_backend == "nccl" else {}
+            mine = None
+            for c, order in orders.items():
+                ranks = sorted(self._members[i] for i in order)
+                groups = (dist.new_group(ranks, timeout=td, backend=self.dist_backend, **extra),
+                          dist.new_group(ranks, timeout=td, backend="gloo"))
+                mine = groups if c == colour else mine
+            return mine
+        ranks = sorted(self._members[i] for i in orders[colour])
+        side = _member_group(ranks, "gloo", f"gradzip/{instance}/side", td)
+        if self.dist_backend != "nccl":
+            return _member_group(ranks, self.dist_backend, f"gradzip/{instance}/data", td), side
+        torch_rank = self._perm or list(range(self.world_size))  # split_group takes the parent's torch ranks
+        split = [[torch_rank[i] for i in order] for order in orders.values()]
+        return dist.split_group(self.group, split, timeout=td), side
+
     def close(self) -> None:
-        """Stop the heartbeat and, if this communicator created the process group and no collective
-        failed, destroy it. Not collective, so calling it while an exception unwinds (a
-        ``finally``) does not delay the other ranks' failure detection. The rank hosting the
+        """Stop the heartbeat and, if no collective failed, destroy the groups this communicator
+        created (its sub-communicators first; a sub-communicator destroys only its own two groups,
+        never its parent's). Idempotent. Not collective, so calling it while an exception unwinds
+        (a ``finally``) does not delay the other ranks' failure detection. The rank hosting the
         store leaves last: it waits (at most ``diagnose_s`` + 0.5 s) for the other ranks to stop
         their heartbeats, or after a failure for them to finish naming the lost ranks. After a
         failure Gloo may still be inside the failed op and destroying would block until its
         timeout, so process exit cleans up instead. Also runs at exit."""
-        atexit.unregister(self.close)
+        if self._closed:
+            return
+        self._closed = True
+        if self._parent is None:
+            atexit.unregister(self.close)
+        for child in self._children:
+            child.close()
         hb, self._hb = self._hb, None
         if hb is not None:
             hb.stop("error" if self._broken else "closed")
-            if hb.store_host == self.rank:
+            if self._parent is None and hb.store_host == self.rank:
                 hb.linger(self.diagnose_s + 2 * hb.interval, until_all_stopped=not self._broken)
-        if self._broken or not dist.is_initialized():
+        if self._root._tree_broken or not dist.is_initialized():
             return
         if self._side is not None:
             dist.destroy_process_group(self._side)
             self._side = None
-        if self._owns_pg:
+        if self._parent is not None:
+            dist.destroy_process_group(self.group)
+        elif self._owns_pg:
             dist.destroy_process_group()
             self._owns_pg = False
+
+
+def _member_group(ranks: list[int], backend: str, name: str, timeout: timedelta):
+    """A process group over the sorted global ``ranks`` that only its members create. torch's
+    public ``new_group`` must be entered by every process of the job, and its
+    ``use_local_synchronization`` form names the group by how many groups this process has made,
+    which differs between processes once sub-communicators split; so this calls the helper that
+    ``new_group`` itself uses, with ``name`` (unique, derived alike on every member) as the group's
+    name and store prefix, and registers the rank mapping as ``new_group`` does."""
+    c10d = dist.distributed_c10d
+    pg, _ = c10d._new_process_group_helper(len(ranks), ranks.index(dist.get_rank()), ranks, backend,
+                                          c10d._get_default_store(), name, timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
 
 
 def _is_timeout(e: BaseException) -> bool:

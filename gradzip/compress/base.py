@@ -30,7 +30,11 @@ Capabilities, declared on the class (the engine, the DDP adapter and ``gradzip s
 them; nothing outside guesses from the type or unwraps ``.inner``):
 
 - ``collective``: how payloads combine, ``"allreduce"`` or ``"allgather"``;
-- ``schemes``: every exchange scheme the compressor supports (default: its ``collective``);
+- ``schemes``: every exchange scheme the compressor supports (default: its ``collective``); the
+  instance's ``exchange`` is the one chosen (spec ``exchange=...``, default: the collective).
+  ``twophase`` needs a compressor whose payload of a chunk decodes with any rank's context of the
+  same chunk size and key (element-wise codes); ``sparse`` needs a ``(values, indices)`` payload
+  of flat indices into the bucket (top-k);
 - ``per_tensor``: the bucket arrives as per-parameter tensors (PowerSGD) instead of one flat view;
 - ``identity``: the payload is the gradient itself (``none``): small tensors then ride in the same
   buckets as large ones, and there is nothing to encode;
@@ -65,6 +69,9 @@ from torch import Tensor
 
 Payload = tuple[Tensor, ...]
 Collective = Literal["allreduce", "allgather"]
+# How the ranks' payloads are combined (see gradzip.engine.schemes): the compressor's own
+# collective, the compressed allreduce of 1-bit Adam ("twophase"), or gTop-k ("sparse").
+SCHEMES: tuple[str, ...] = ("allreduce", "allgather", "twophase", "sparse")
 
 
 @dataclasses.dataclass
@@ -103,11 +110,13 @@ class Compressor(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "schemes" not in cls.__dict__:  # undeclared: the one scheme its collective gives
+        # Undeclared in the class and its bases: the one scheme its collective gives.
+        if not any("schemes" in k.__dict__ for k in cls.__mro__ if k is not Compressor):
             cls.schemes = (cls.collective,)
 
     def __init__(self, config: Any = None) -> None:
         self.config = config if config is not None else self.Config()
+        self.exchange: str = self.collective  # the scheme in use; the registry sets it from the spec
 
     # ----------------------------------------------------------------- single tensor
     @abstractmethod
@@ -157,6 +166,11 @@ class Compressor(ABC):
         """Exact payload bytes for a bucket of tensors with these shapes."""
         return self.payload_bytes(sum(_numel(s) for s in shapes), dtype)
 
+    def credit(self, key: str, indices: Tensor, values: Tensor) -> None:
+        """An exchange scheme dropped ``values`` of this rank's own payload of ``key``, at flat
+        ``indices`` of the bucket (``exchange=sparse``). Error feedback adds them back to its
+        memory; a compressor without memory has nowhere to keep them and ignores them."""
+
     def ef_caveat(self) -> str | None:
         """A warning to show when this configuration is wrapped in error feedback, or None."""
         return None
@@ -182,6 +196,8 @@ class Compressor(ABC):
         params = [f"{f.name}={_fmt(getattr(self.config, f.name))}" for f in dataclasses.fields(self.config)]
         if ef is not None:
             params.append(f"ef={ef}")
+        if self.exchange != self.collective:
+            params.append(f"exchange={self.exchange}")
         return f"{self.name}:{','.join(params)}" if params else self.name
 
     def __repr__(self) -> str:

@@ -58,6 +58,7 @@ class ErrorFeedback(BucketCompressor):
         self.name = inner.name
         self.collective = inner.collective
         self.schemes = inner.schemes
+        self.exchange = inner.exchange
         self.per_tensor = inner.per_tensor
         self.rounds = inner.rounds
         self.biased = inner.biased
@@ -121,6 +122,11 @@ class ErrorFeedback(BucketCompressor):
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
         out = self.inner.decompress_batch(payload, ctx.inner)
         return [cast_saturating(o, d) for o, d in zip(out, ctx.dtypes)]
+
+    @torch.no_grad()
+    def credit(self, key: str, indices: Tensor, values: Tensor) -> None:
+        # Values the exchange dropped were subtracted from the memory as sent: add them back.
+        self._flat[key].index_add_(0, indices.to(self._flat[key].device), values.to(torch.float32))
 
     def aggregate(self, tensors: list[Tensor]) -> Tensor:
         return self.inner.aggregate(tensors)

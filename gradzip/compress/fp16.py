@@ -34,6 +34,7 @@ class Cast(Compressor):
     """Base of the casting compressors: subclasses set ``wire_dtype``."""
 
     collective = "allreduce"
+    schemes = ("allreduce", "twophase")
     biased = True
     wire_dtype: torch.dtype = torch.float16
 

@@ -31,6 +31,7 @@ class SignCode(Compressor):
     """Shared by ``onebit`` and ``signsgd``: payload (packed sign bits, fp32 scale = mean |g|)."""
 
     collective = "allgather"
+    schemes = ("allgather", "twophase")
     biased = True
 
     def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, tuple[torch.Size, torch.dtype]]:

@@ -55,6 +55,7 @@ class _Ctx:
 @register("randomk")
 class RandomK(Compressor):
     collective = "allreduce"
+    schemes = ("allreduce", "twophase")
     biased = False  # for the default unbiased=true; see __init__
     description = "random-k: ratio*n entries at indices from a seed shared by all ranks (allreduce)"
     Config = RandomKConfig

@@ -1,8 +1,10 @@
 """Registry of compressors by name, and the spec parser.
 
 A spec is ``NAME`` or ``NAME:key=value,key=value``, e.g. ``"topk:ratio=0.01,ef=true"`` or
-``"powersgd:rank=4,warm_start=true"``. The key ``ef`` is common to all compressors: it wraps the
-compressor in :class:`gradzip.compress.ef.ErrorFeedback` (default: the class's ``default_ef``).
+``"powersgd:rank=4,warm_start=true"``. Two keys are common to all compressors: ``ef`` wraps the
+compressor in :class:`gradzip.compress.ef.ErrorFeedback` (default: the class's ``default_ef``), and
+``exchange`` picks how payloads are combined, one of the class's ``schemes`` (default: its
+``collective``), e.g. ``"onebit:exchange=twophase"``.
 
 Adding a compressor is one file in ``gradzip/compress/`` with::
 
@@ -24,7 +26,7 @@ import warnings
 from typing import Any
 
 import gradzip.compress as pkg
-from gradzip.compress.base import Compressor
+from gradzip.compress.base import SCHEMES, Compressor
 from gradzip.compress.ef import ErrorFeedback
 from gradzip.errors import SpecError
 
@@ -41,6 +43,8 @@ def register(name: str):
             raise ValueError(f"compressor {name!r} registered twice ({_REGISTRY[name]} and {cls})")
         if cls.collective not in ("allreduce", "allgather"):
             raise ValueError(f"{cls.__name__}.collective must be 'allreduce' or 'allgather'")
+        if set(cls.schemes) - set(SCHEMES):
+            raise ValueError(f"{cls.__name__}.schemes {cls.schemes}: unknown scheme(s); known: {SCHEMES}")
         if cls.collective not in cls.schemes:
             raise ValueError(f"{cls.__name__}.schemes {cls.schemes} must include its collective {cls.collective!r}")
         if not dataclasses.is_dataclass(cls.Config):
@@ -128,11 +132,15 @@ def create(spec: str | Compressor) -> Compressor:
     cls = reg[name]
     ef_raw = params.pop("ef", None)
     ef = cls.default_ef if ef_raw is None else _convert(ef_raw, bool, name, "ef")
+    exchange = params.pop("exchange", cls.collective).lower()
+    if exchange not in cls.schemes:
+        what = "unknown exchange scheme" if exchange not in SCHEMES else f"{name} does not support exchange"
+        raise SpecError(f"{name}: {what} {exchange!r}; {name} supports exchange={'|'.join(cls.schemes)}")
     fields = {f.name: f for f in dataclasses.fields(cls.Config)}
     hints = _hints(cls.Config)
     unknown = sorted(set(params) - set(fields))
     if unknown:
-        valid = ", ".join([*fields, "ef"])
+        valid = ", ".join([*fields, "ef", "exchange"])
         raise SpecError(f"{name}: unknown parameter(s) {', '.join(unknown)}; valid parameters: {valid}")
     kwargs = {k: _convert(v, hints[k], name, k) for k, v in params.items()}
     try:
@@ -140,6 +148,7 @@ def create(spec: str | Compressor) -> Compressor:
     except (ValueError, TypeError) as e:
         raise SpecError(f"{name}: {e}") from None
     comp = cls(config)
+    comp.exchange = exchange
     if ef and (caveat := comp.ef_caveat()) and (name, caveat) not in _WARNED:
         _WARNED.add((name, caveat))  # once per process: specs are parsed again per worker and rank
         warnings.warn(f"{name}: {caveat}", stacklevel=2)
@@ -149,11 +158,12 @@ def create(spec: str | Compressor) -> Compressor:
 
 
 def describe(cls: type[Compressor]) -> list[tuple[str, str, Any]]:
-    """(name, type name, default) of each parameter of ``cls``, ``ef`` last."""
+    """(name, type name, default) of each parameter of ``cls``, ``ef`` and ``exchange`` last."""
     hints = _hints(cls.Config)
     rows = []
     for f in dataclasses.fields(cls.Config):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         rows.append((f.name, getattr(hints[f.name], "__name__", str(hints[f.name])), default))
     rows.append(("ef", "bool", cls.default_ef))
+    rows.append(("exchange", "|".join(cls.schemes), cls.collective))
     return rows

@@ -63,6 +63,7 @@ class _Ctx:
 @register("topk")
 class TopK(Compressor):
     collective = "allgather"
+    schemes = ("allgather", "twophase", "sparse")
     biased = True
     description = "top-k by magnitude: values + int32 indices of the ratio*n largest |g| (exact)"
     Config = TopKConfig

@@ -43,9 +43,10 @@ from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
 from gradzip.engine.exchange import Exchange
 from gradzip.engine.handshake import check_agreement, fingerprint
+from gradzip.engine.schemes import SchemeState
 from gradzip.errors import GradzipError
 
-_Part = tuple[Exchange, list[int], bool]  # exchange, indices of the bucket's gradients, flat result
+_Part = tuple[Any, list[int], bool]  # exchange, indices of the bucket's gradients, flat result
 
 
 class GradzipHookState:
@@ -57,6 +58,7 @@ class GradzipHookState:
         self.compressor = create(compressor)
         self.spec = self.compressor.spec
         self.comm = comm
+        self.scheme = SchemeState(self.compressor, comm)  # e.g. twophase's server memory
         self.min_compress_numel = min_compress_numel
         self._plain = NoCompression()
         self._split = not self.compressor.identity
@@ -90,7 +92,7 @@ class GradzipHookState:
                 tensors, flat = [buffer], True  # the whole bucket: no copy
             else:
                 tensors, flat = [torch.cat([grads[i].reshape(-1) for i in big])], True
-            parts.append((Exchange(self.compressor, self.comm, tensors, key=key), big, flat))
+            parts.append((self.scheme.exchange(self.compressor, tensors, key), big, flat))
         if small:
             tensors = [torch.cat([grads[i].reshape(-1) for i in small])]
             parts.append((Exchange(self._plain, self.comm, tensors, key=f"{key}/plain"), small, True))
@@ -122,12 +124,13 @@ class GradzipHookState:
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"spec": self.spec, "compressor": self.compressor.state_dict()}
+        return {"spec": self.spec, "compressor": self.compressor.state_dict(), "scheme": self.scheme.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("spec") != self.spec:
             raise GradzipError(f"hook state is for compressor {state.get('spec')!r}, not {self.spec!r}")
         self.compressor.load_state_dict(state["compressor"])
+        self.scheme.load_state_dict(state.get("scheme", {}))
 
     def close(self) -> None:
         self.comm.close()

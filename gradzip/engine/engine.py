@@ -61,10 +61,13 @@ from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
 from gradzip.engine.exchange import Exchange
 from gradzip.engine.handshake import broadcast_state, check_agreement, fingerprint
+from gradzip.engine.hierarchical import HierarchicalScheme
+from gradzip.engine.schemes import SchemeState
 from gradzip.engine.stats import StepStats
 from gradzip.errors import GradzipError
 
 _now = time.perf_counter
+INTRA_DTYPES = {"": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -77,6 +80,11 @@ class EngineConfig:
     check: compare model/compressor/options fingerprints across ranks at start-up.
     agree: the caller's settings that must be equal on every rank (``gradzip train``: its whole
         resolved configuration), compared with the fingerprint; a mismatch names the fields.
+    hierarchical: reduce inside each node, compress only across nodes
+        (:mod:`gradzip.engine.hierarchical`); nodes come from the launcher, or ``SimWorld``'s
+        ``ranks_per_node``.
+    intra_dtype: the intra-node wire dtype of the hierarchical exchange: ``""`` (the gradient's),
+        ``"fp16"`` or ``"bf16"``.
     """
 
     bucket_cap_mb: float = 25.0
@@ -84,6 +92,8 @@ class EngineConfig:
     broadcast: bool = True
     check: bool = True
     agree: dict[str, Any] = field(default_factory=dict)
+    hierarchical: bool = False
+    intra_dtype: str = ""
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
@@ -91,6 +101,9 @@ class EngineConfig:
         if self.min_compress_numel < 0:
             raise GradzipError(f"min_compress_numel must be >= 0 (0 compresses every tensor), got "
                                f"{self.min_compress_numel}")
+        if self.intra_dtype not in INTRA_DTYPES:
+            raise GradzipError(f"intra_dtype must be one of {', '.join(repr(k) for k in INTRA_DTYPES)}, got "
+                               f"{self.intra_dtype!r}")
 
 
 class _Hook:
@@ -118,6 +131,7 @@ class _Worker:
 
     def __init__(self, wid: int, comm: Communicator, compressor: Compressor, buckets: list[Bucket]) -> None:
         self.id, self.comm, self.compressor = wid, comm, compressor
+        self.scheme: Any = None  # SchemeState or HierarchicalScheme, built after the start-up check
         self.buffers: list[Tensor | None] = [None] * len(buckets)
         self.snap = comm.stats.snapshot()
         self.reset(buckets)
@@ -174,17 +188,24 @@ class Engine:
         self._workers = [_Worker(c.rank, c, comp, self.buckets) for c, comp in zip(comms, compressors)]
         self._current: _Worker | None = None
         self._no_sync = False
-        self._reset_rounds()
         # Per-bucket timings of the last step (sim: mean over workers), for overlap analysis.
         self.last_timings: list[BucketTiming] = []
 
         if self.config.check:
-            options = {"bucket_cap_mb": self.config.bucket_cap_mb, "min_compress_numel": self.config.min_compress_numel}
+            options = {"bucket_cap_mb": self.config.bucket_cap_mb, "min_compress_numel": self.config.min_compress_numel,
+                       "hierarchical": self.config.hierarchical, "intra_dtype": self.config.intra_dtype}
             doc = fingerprint(named, self.spec, options, self.config.agree)
             check_agreement(comms, [doc] * len(comms))
         if self.config.broadcast:
             state = [p for _, p in named] + [b for b in model.buffers() if b.is_floating_point()]
             broadcast_state(comms, state, cap, shared=self.sim)
+        # The exchange scheme's own state (server memory, sub-communicators): may split the
+        # communicator, so only once every rank agreed on the settings.
+        for w in self._workers:
+            w.scheme = (HierarchicalScheme(w.compressor, w.comm, INTRA_DTYPES[self.config.intra_dtype])
+                        if self.config.hierarchical else SchemeState(w.compressor, w.comm))
+        for w in self._workers:  # after every worker's splits (sim binds them once all have split)
+            w.scheme.bind()
         for w in self._workers:
             w.snap = w.comm.stats.snapshot()  # start-up traffic is not part of step 1
 
@@ -270,14 +291,14 @@ class Engine:
         for w in self._workers:
             w.snap = w.comm.stats.snapshot()
             w.reset(self.buckets)
-        self._reset_rounds()
         self._last_end = _now()
         return stats
 
     def state_dict(self) -> dict[str, Any]:
         """Every local worker's compressor state (sim: N entries; real: this rank's)."""
         return {"spec": self.spec, "worker_ids": self.worker_ids,
-                "compressors": [w.compressor.state_dict() for w in self._workers]}
+                "compressors": [w.compressor.state_dict() for w in self._workers],
+                "schemes": [w.scheme.state_dict() for w in self._workers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("spec") != self.spec:
@@ -287,6 +308,8 @@ class Engine:
                                f"{self.worker_ids}; resume with the same backend and number of workers")
         for w, sd in zip(self._workers, state["compressors"]):
             w.compressor.load_state_dict(sd)
+        for w, sd in zip(self._workers, state.get("schemes", [{}] * len(self._workers))):
+            w.scheme.load_state_dict(sd)
 
     def detach(self) -> None:
         """Remove the hooks; the model trains as if the engine had never been attached."""
@@ -339,10 +362,6 @@ class Engine:
         w.hook_s += _now() - t0
 
     # ------------------------------------------------------------------ exchange
-    def _reset_rounds(self) -> None:
-        # Modelled link time of each bucket's rounds this step (sim; identical for every worker).
-        self._rounds = [[0.0] * (self._workers[0].compressor.rounds if b.compressed else 1) for b in self.buckets]
-
     def _launch_ready(self, w: _Worker, ready_s: float) -> None:
         """Launch, in index order, every bucket that is full and whose predecessors launched."""
         while w.next_launch < len(self.buckets) and w.pending[w.next_launch] == 0:
@@ -350,11 +369,8 @@ class Engine:
             buf = w.buffer(b)
             comp = w.compressor if b.compressed else self._plain
             tensors = unflatten(buf, b.shapes) if b.compressed and self._per_tensor else [buf]
-            ex = Exchange(comp, w.comm, tensors, key=b.key)
-            s0 = w.comm.stats.seconds
+            ex = w.scheme.exchange(comp, tensors, b.key)
             ex.start()
-            if self.sim:  # the one launch that completes a sim collective records its modelled time
-                self._rounds[b.index][0] += w.comm.stats.seconds - s0
             w.exchanges[b.index] = ex
             w.timing[b.index] = BucketTiming(ready_s=max(ready_s, 0.0), compress_s=w.pack_s[b.index] + ex.compress_s)
             w.next_launch += 1
@@ -391,20 +407,19 @@ class Engine:
         while pending:
             still = []
             for bi in pending:
-                done = False
+                done = True  # once every worker's exchange is (a hierarchical one may wait a wave for its leader)
                 for w in self._workers:
                     ex = w.exchanges[bi]
                     assert ex is not None
-                    c0, s0 = ex.compress_s, w.comm.stats.seconds
-                    done = ex.advance()
+                    c0 = ex.compress_s
+                    mine = ex.advance()
+                    done = done and mine
                     dc = ex.compress_s - c0
                     w.fin_s += dc
-                    if done:
+                    if mine:
                         w.timing[bi].decode_s += dc
                     else:
                         w.timing[bi].between_s.append(dc)
-                        if self.sim:
-                            self._rounds[bi][ex.round] += w.comm.stats.seconds - s0
                 if done:
                     # Every worker's result is the same (each gets the same reduced payloads and
                     # decoding is deterministic; the multi-process tests compare sim with Gloo/MPI),
@@ -436,9 +451,13 @@ class Engine:
         if self.sim:
             per_worker = []
             computes = []
+            # A round's link time: the slowest worker's (groups of a split run side by side).
+            rounds = [[max(w.exchanges[bi].link_s[r] for w in self._workers)  # type: ignore[union-attr]
+                       for r in range(self._workers[0].exchanges[bi].rounds)]  # type: ignore[union-attr]
+                      for bi in range(len(self.buckets))]
             for w in self._workers:
                 for bi, t in enumerate(w.timing):
-                    t.rounds_s = list(self._rounds[bi])
+                    t.rounds_s = list(rounds[bi])
                 per_worker.append(w.timing)
                 computes.append(max(0.0, (w.t_end or t_fin) - (w.fwd_start or t_fin) - w.hook_s))
             self.last_timings = mean_timings(per_worker)
@@ -461,7 +480,8 @@ class Engine:
 
 def attach(model: torch.nn.Module, compressor: str | Compressor = "none", comm: Communicator | SimWorld | None = None,
            bucket_cap_mb: float = 25.0, min_compress_numel: int = 1024, broadcast: bool = True,
-           check: bool = True, agree: dict[str, Any] | None = None) -> Engine:
+           check: bool = True, agree: dict[str, Any] | None = None, hierarchical: bool = False,
+           intra_dtype: str = "") -> Engine:
     """Attach gradzip to ``model``: see :class:`Engine` and the module docstring.
 
     ``comm``: a Communicator (one rank per process; e.g. from :func:`gradzip.comm.init_communicator`)
@@ -471,5 +491,6 @@ def attach(model: torch.nn.Module, compressor: str | Compressor = "none", comm: 
     if comm is None:
         raise GradzipError("attach: pass a communicator (gradzip.comm.init_communicator(...)) or a SimWorld(n)")
     config = EngineConfig(bucket_cap_mb=bucket_cap_mb, min_compress_numel=min_compress_numel,
-                          broadcast=broadcast, check=check, agree=dict(agree or {}))
+                          broadcast=broadcast, check=check, agree=dict(agree or {}), hierarchical=hierarchical,
+                          intra_dtype=intra_dtype)
     return Engine(model, compressor, comm, config)

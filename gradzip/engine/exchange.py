@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from gradzip.comm.base import Communicator, Handle
@@ -31,13 +32,20 @@ from gradzip.compress.base import Compressor, Payload
 
 
 class Exchange:
+    """The compressor's own collective (``exchange=allreduce`` or ``allgather``). Other schemes
+    (:mod:`gradzip.engine.schemes`) follow the same interface: ``start``, ``advance``,
+    ``result``, and ``rounds``, ``round``, ``compress_s``, ``link_s`` (modelled link seconds of
+    each round on ``sim``; zeros on real backends)."""
+
     def __init__(self, compressor: Compressor, comm: Communicator, tensors: Sequence[Tensor], key: str = "") -> None:
         self.compressor = compressor
         self.comm = comm
         self.tensors = list(tensors)
         self.key = key
         self.round = 0
+        self.rounds = compressor.rounds
         self.compress_s = 0.0  # time spent encoding/decoding on this rank
+        self.link_s = [0.0] * self.rounds
         self._ctx = None
         self._handles: list[Handle] = []
         self._result: list[Tensor] | None = None
@@ -56,14 +64,14 @@ class Exchange:
         c = self.compressor
         last = self.round == c.rounds - 1
         if c.collective == "allgather" and last:
-            gathered = [h.wait() for h in self._handles]  # per payload tensor: list over ranks
+            gathered = self._wait_all()  # per payload tensor: list over ranks
             t0 = time.perf_counter()
             per_rank: list[Payload] = [tuple(g[r] for g in gathered) for r in range(self.comm.world_size)]
             parts = [c.decompress_batch(p, self._ctx) for p in per_rank]
             self._result = [c.aggregate([part[i] for part in parts]) for i in range(len(self.tensors))]
             self.compress_s += time.perf_counter() - t0
             return True
-        reduced = tuple(h.wait() for h in self._handles)
+        reduced = tuple(self._wait_all())
         t0 = time.perf_counter()
         if last:
             self._result = c.decompress_batch(reduced, self._ctx)
@@ -81,6 +89,10 @@ class Exchange:
         return self._result
 
     # -- internals ----------------------------------------------------------------
+    def _wait_all(self) -> list:
+        """Wait for this round's handles; add their modelled link time (sim) to ``link_s``."""
+        return wait_all(self._handles, self.link_s, self.round)
+
     def _launch(self, payload: Payload) -> None:
         c = self.compressor
         final = self.round == c.rounds - 1
@@ -88,3 +100,28 @@ class Exchange:
             self._handles = [self.comm.allgather_async(p) for p in payload]
         else:
             self._handles = [self.comm.allreduce_async(p, "mean") for p in payload]
+
+
+def wait_all(handles: Sequence[Handle], link_s: list[float], rnd: int) -> list:
+    """Results of ``handles`` in order; their modelled seconds (``sim``) go to ``link_s[rnd]``.
+    A round's collectives run one after the other on one rank's link, so their times add."""
+    out = [h.wait() for h in handles]
+    link_s[rnd] += sum(getattr(h, "modelled_s", 0.0) for h in handles)
+    return out
+
+
+def pack(payload: Payload) -> Tensor:
+    """The payload's tensors as one flat ``uint8`` tensor (one collective instead of several)."""
+    parts = [p.reshape(-1).view(torch.uint8) for p in payload]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack(buf: Tensor, like: Payload) -> Payload:
+    """Inverse of :func:`pack` for a payload shaped as ``like`` (same sizes and dtypes). Each part
+    is copied out, so that it is aligned for its dtype whatever its offset in ``buf``."""
+    out, offset = [], 0
+    for t in like:
+        nb = t.numel() * t.element_size()
+        out.append(buf[offset:offset + nb].clone().view(t.dtype).view(t.shape))
+        offset += nb
+    return tuple(out)

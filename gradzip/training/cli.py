@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--model", "bert-tiny|bert-mini|bert-small|bert-medium|bert-base|bert-large")
     flag(g, "--compressor", "compressor spec, e.g. powersgd:rank=4 or topk:ratio=0.01,ef=true (see gradzip ls)",
          metavar="SPEC")
+    flag(g, "--exchange", "how payloads combine, one of the compressor's schemes (gradzip ls): allgather, allreduce, "
+         "twophase (compressed allreduce); default: the compressor's own, or the spec's exchange=", show_default=False,
+         metavar="SCHEME")
     flag(g, "--optimizer", "adamw, or lamb (You et al. 2019)", choices=OPTIMIZERS)
     flag(g, "--lr", "peak learning rate", type=float)
     flag(g, "--warmup", "linear warm-up in steps, or a fraction of --steps if below 1; then linear decay "
@@ -77,6 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "the launcher decides)", type=int)
     flag(g, "--bandwidth", "sim: link bandwidth, e.g. 1gbit, 100mbit")
     flag(g, "--latency", "sim: per-message latency, e.g. 50us")
+    flag(g, "--hierarchical", "reduce in full precision inside each node, compress only between nodes",
+         show_default=False, action="store_true")
+    flag(g, "--ranks-per-node", "workers per node: sim; local processes (--workers) and --netem hosts emulate "
+         "nodes of this size (default: sim 1, else from the launcher: GROUP_RANK, SLURM_NODEID, host name)",
+         show_default=False, type=int)
+    flag(g, "--intra-bandwidth", "sim: link bandwidth inside a node")
+    flag(g, "--intra-latency", "sim: per-message latency inside a node")
     flag(g, "--bucket-cap-mb", "gradient bucket size in MB", type=float)
     flag(g, "--min-compress-numel", "tensors with fewer elements go uncompressed", type=int)
     flag(g, "--timeout", "seconds allowed for init and for each collective", type=float)

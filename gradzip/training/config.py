@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gradzip.compress.registry import create
+from gradzip.compress.registry import create, parse_spec
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
 from gradzip.models import bert_config
@@ -62,10 +62,15 @@ class TrainConfig:
     # -- what is trained, how it communicates
     model: str = "bert-tiny"
     compressor: str = "none"
+    exchange: str | None = None  # the scheme (gradzip ls), instead of the spec's exchange=...
     backend: str = "sim"
     workers: int = 4
     bandwidth: str = "1gbit"
     latency: str = "50us"
+    hierarchical: bool = False  # reduce inside nodes, compress only across them
+    ranks_per_node: int | None = None  # sim, local and testbed runs; else from the launcher
+    intra_bandwidth: str = "100gbit"  # sim: the link inside a node
+    intra_latency: str = "5us"
     # -- batch and length
     batch_size: int = 32
     accumulation: int = 1
@@ -160,9 +165,13 @@ class TrainConfig:
             raise bad("vocab_size", f"must be >= 100 (or unset for the model's default), got {self.vocab_size}")
         if self.seq_len > 512:
             raise bad("seq_len", f"must be <= 512 (BERT's position embeddings), got {self.seq_len}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise bad("ranks_per_node", f"must be >= 1, got {self.ranks_per_node}")
         try:
             parse_bandwidth(self.bandwidth)
             parse_latency(self.latency)
+            parse_bandwidth(self.intra_bandwidth)
+            parse_latency(self.intra_latency)
         except SpecError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None
         if self.netem is not None:
@@ -174,12 +183,26 @@ class TrainConfig:
                 raise GradzipError(f"{_pre(source)}{e}") from None
         self._check_names(source)
 
+    @property
+    def spec(self) -> str:
+        """The compressor spec with ``exchange`` applied: what the engine is given."""
+        if self.exchange is None:
+            return self.compressor
+        _, params = parse_spec(self.compressor)
+        if params.get("exchange", self.exchange).lower() != self.exchange.lower():
+            raise GradzipError(f"--exchange {self.exchange} and --compressor {self.compressor} disagree; "
+                               "set the scheme in one place")
+        if "exchange" in params:
+            return self.compressor
+        return f"{self.compressor}{',' if ':' in self.compressor else ':'}exchange={self.exchange}"
+
     def _check_names(self, source: str) -> None:
         """The model and compressor names are known ."""
         try:
-            create(self.compressor)
+            create(self.spec)
         except SpecError as e:
-            raise GradzipError(f"{_pre(source)}--compressor: {e}") from None
+            flag = "--exchange" if self.exchange is not None and "exchange" in str(e) else "--compressor"
+            raise GradzipError(f"{_pre(source)}{flag}: {e}") from None
         try:
             bert_config(self.model)
         except (GradzipError, KeyError, ValueError) as e:

@@ -64,8 +64,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         params = [p for p in model.parameters() if p.requires_grad]
 
         # -- engine, optimizer, LR schedule, precision, per-worker RNG streams ----------------
-        engine = attach(model, cfg.compressor, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
-                        min_compress_numel=cfg.min_compress_numel, agree=cfg.agreement())
+        engine = attach(model, cfg.spec, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
+                        min_compress_numel=cfg.min_compress_numel, agree=cfg.agreement(),
+                        hierarchical=cfg.hierarchical)
         optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
         schedule = WarmupDecay(optimizer, cfg.lr, cfg.warmup_steps, cfg.steps)
         precision = Precision(cfg.precision, runtime.device)
@@ -144,7 +145,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # -- summary (from the whole metrics file, so resumed runs are covered) ------------------
         if not runtime.is_main:
             return {"rank": runtime.rank}
-        info = {"model": cfg.model, "compressor": cfg.compressor, "backend": cfg.backend, "workers": n,
+        info = {"model": cfg.model, "compressor": cfg.compressor, "exchange": engine.compressor.exchange,
+                "hierarchical": cfg.hierarchical,
+                "backend": cfg.backend, "workers": n,
                 "bandwidth": cfg.bandwidth, "latency": cfg.latency, "optimizer": cfg.optimizer,
                 "precision": cfg.precision, "batch_size": cfg.batch_size, "accumulation": cfg.accumulation,
                 "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed, "params": sum(p.numel() for p in params),

@@ -93,9 +93,14 @@ def create_runtime(cfg: TrainConfig) -> Runtime:
     """sim: a SimWorld of ``cfg.workers``. Real backends: this rank's communicator, from the
     launcher's environment (world size from there, not from ``--workers``)."""
     if cfg.backend == "sim":
-        world = SimWorld(cfg.workers, cfg.bandwidth, cfg.latency, timeout=cfg.timeout)
+        world = SimWorld(cfg.workers, cfg.bandwidth, cfg.latency, timeout=cfg.timeout,
+                         ranks_per_node=cfg.ranks_per_node or 1, intra_bandwidth=cfg.intra_bandwidth,
+                         intra_latency=cfg.intra_latency)
         return Runtime(device=torch.device(cfg.resolved_device), rank=0, num_workers=cfg.workers, world=world)
     comm = init_communicator(cfg.backend, timeout=cfg.timeout)
+    if cfg.ranks_per_node and not os.environ.get("GRADZIP_NODE"):
+        # Emulated nodes (local processes, testbed hosts): ranks r // ranks_per_node share one.
+        os.environ["GRADZIP_NODE"] = str(comm.rank // cfg.ranks_per_node)
     device = torch.device("cpu")
     if cfg.resolved_device == "cuda":
         device = torch.device("cuda", _local_rank(comm.rank) % max(1, torch.cuda.device_count()))

@@ -1,0 +1,163 @@
+"""Exchange schemes: how the ranks' compressed payloads are combined, orthogonal to the compressor.
+
+A compressor's spec picks one of the schemes its class declares (``schemes``), e.g.
+``"onebit:exchange=twophase"``; the default is the compressor's own ``collective``:
+
+- ``allreduce`` / ``allgather`` (:class:`gradzip.engine.exchange.Exchange`): payloads are
+  averaged elementwise, or every rank receives and decodes the n−1 others' payloads. The
+  allgather's traffic and decode work grow linearly with the number of ranks.
+- ``twophase`` (:class:`TwoPhaseExchange`): the compressed allreduce of DeepSpeed's 1-bit Adam
+  (Tang et al. 2021). Per bucket, on each of n ranks:
+
+  1. cut the bucket into n equal chunks (the last one zero-padded) and compress each chunk,
+     with the worker error memory when the spec has ``ef=true``;
+  2. an alltoall sends chunk j of every rank to rank j;
+  3. rank j decodes the n payloads of its shard, combines them with the compressor's
+     ``aggregate`` (the mean; signSGD's majority vote) and compresses the result again, with a
+     *server* error memory of 1/n of the bucket (again only with ``ef=true``);
+  4. an allgather returns every rank's compressed shard; each rank decodes all n.
+
+  Per-rank traffic is the payload twice, (n−1)/n of it each way, whatever n. Numerically the
+  server's second compression adds error (kept in the server memory under EF); chunking also
+  changes per-bucket statistics into per-chunk ones (one ``onebit`` scale per chunk).
+
+- ``sparse`` (:class:`gradzip.engine.gtopk.SparseExchange`): gTop-k for top-k payloads, a
+  recursive-doubling reduction that keeps k entries at every level: 8k·log2(n) bytes per rank.
+
+Persistent per-rank state of the schemes (the server compressor and its memory) lives in a
+:class:`SchemeState`; the engine and the DDP adapter keep one per rank and checkpoint it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradzip.comm.base import Communicator, Handle
+from gradzip.compress.base import Compressor, flatten, unflatten
+from gradzip.compress.registry import create
+from gradzip.engine.exchange import Exchange, pack, unpack, wait_all
+from gradzip.engine.gtopk import SparseExchange, build_plan
+
+
+class SchemeState:
+    """Per-rank state of the exchange scheme of ``compressor`` that persists across steps.
+
+    ``twophase``: ``server``, a second instance of the same spec that compresses this rank's shard
+    (its error memory is the server memory). ``sparse``: the pair sub-communicators of gTop-k
+    (:mod:`gradzip.engine.gtopk`). Build it on every rank at set-up, in the same order: it may
+    split the communicator.
+    """
+
+    def __init__(self, compressor: Compressor, comm: Communicator) -> None:
+        self.scheme = compressor.exchange
+        self.comm = comm
+        self.server: Compressor | None = create(compressor.spec) if self.scheme == "twophase" else None
+        self.plan = build_plan(comm) if self.scheme == "sparse" and comm.world_size > 1 else None
+
+    def bind(self) -> None:
+        """Nothing to finish (see :class:`gradzip.engine.hierarchical.HierarchicalScheme`)."""
+
+    def exchange(self, compressor: Compressor, tensors: Sequence[Tensor], key: str) -> Any:
+        """A new exchange of one bucket by this scheme (``compressor`` may be the plain ``none``
+        used for small tensors, which always takes its own collective)."""
+        if compressor.exchange == "twophase" and self.server is not None and self.comm.world_size > 1:
+            return TwoPhaseExchange(compressor, self.server, self.comm, tensors, key)
+        if compressor.exchange == "sparse" and self.plan is not None:
+            return SparseExchange(compressor, self.plan, self.comm, tensors, key)
+        return Exchange(compressor, self.comm, tensors, key)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"server": self.server.state_dict()} if self.server is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.server is not None:
+            self.server.load_state_dict(state.get("server", {}))
+        elif state:
+            raise ValueError(f"scheme {self.scheme} keeps no state but got keys {sorted(state)}")
+
+
+class TwoPhaseExchange:
+    """One bucket's compressed allreduce (see the module docstring). Same interface as
+    :class:`~gradzip.engine.exchange.Exchange`; two rounds: the alltoall, then the allgather."""
+
+    rounds = 2
+
+    def __init__(self, compressor: Compressor, server: Compressor, comm: Communicator,
+                 tensors: Sequence[Tensor], key: str) -> None:
+        self.compressor, self.server, self.comm = compressor, server, comm
+        self.tensors = list(tensors)
+        self.shapes = [t.shape for t in self.tensors]
+        self.key = key
+        self.round = 0
+        self.compress_s = 0.0
+        self.link_s = [0.0, 0.0]
+        self._handle: Handle | None = None
+        self._result: list[Tensor] | None = None
+
+    def _chunks(self, flat: Tensor) -> list[Tensor]:
+        """n chunks of ceil(numel/n) elements: views, except a zero-padded copy at the end."""
+        n, numel = self.comm.world_size, flat.numel()
+        self.numel, self.chunk = numel, math.ceil(numel / n)
+        out = []
+        for j in range(n):
+            lo, hi = min(j * self.chunk, numel), min((j + 1) * self.chunk, numel)
+            if hi - lo == self.chunk:
+                out.append(flat[lo:hi])
+            else:
+                padded = flat.new_zeros(self.chunk)
+                padded[:hi - lo] = flat[lo:hi]
+                out.append(padded)
+        return out
+
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        c, r = self.compressor, self.comm.rank
+        flat = flatten(self.tensors)
+        self._mine_dtype = flat.dtype
+        chunks = self._chunks(flat)
+        rows = []
+        for j, chunk in enumerate(chunks):
+            payload, ctx = c.compress_batch([chunk], f"{self.key}/{j}")
+            if j == r:  # decodes every rank's chunk r: same size, same key (the contract)
+                self._mine, self._ctx = payload, ctx
+            rows.append(pack(payload))
+        send = torch.stack(rows) if rows[0].numel() else torch.empty(len(rows), 0, dtype=torch.uint8)
+        self.compress_s += time.perf_counter() - t0
+        self._handle = self.comm.alltoall_async(send)
+
+    def advance(self) -> bool:
+        if self._result is not None:
+            return True
+        c = self.compressor
+        assert self._handle is not None, "advance() before start()"
+        (got,) = wait_all([self._handle], self.link_s, self.round)
+        t0 = time.perf_counter()
+        if self.round == 0:
+            # A decoded tensor may be a buffer that the next decode of the key reuses (casts): copy.
+            parts = [c.decompress_batch(unpack(row, self._mine), self._ctx)[0].clone() for row in got]
+            shard = c.aggregate(parts)
+            payload, self._sctx = self.server.compress_batch([shard], f"{self.key}/server")
+            self._smine = payload
+            self.round = 1
+            self.compress_s += time.perf_counter() - t0
+            self._handle = self.comm.allgather_async(pack(payload))
+            return False
+        out = torch.empty(len(got) * self.chunk, dtype=self._mine_dtype, device=got[0].device)
+        for i, buf in enumerate(got):  # written out at once: a decode may reuse its buffer
+            out[i * self.chunk:(i + 1) * self.chunk] = self.server.decompress_batch(unpack(buf, self._smine),
+                                                                                    self._sctx)[0]
+        flat = out[:self.numel]
+        self._result = unflatten(flat, self.shapes) if len(self.shapes) > 1 else [flat.view(self.shapes[0])]
+        self.compress_s += time.perf_counter() - t0
+        return True
+
+    def result(self) -> list[Tensor]:
+        if self._result is None:
+            raise RuntimeError("TwoPhaseExchange.result() before the exchange finished")
+        return self._result
