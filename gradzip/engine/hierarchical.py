@@ -83,6 +83,8 @@ class HierarchicalExchange:
 
     def __init__(self, compressor: Compressor, scheme: HierarchicalScheme, tensors: Sequence[Tensor],
                  key: str) -> None:
+        # per_tensor compressors support only their own collective (schemes), so the leader's
+        # inner exchange takes exactly compressor.rounds advances: the others count them.
         self.compressor, self.scheme = compressor, scheme
         self.node = scheme.topo.node
         self.g = scheme.ranks_per_node
@@ -124,15 +126,23 @@ class HierarchicalExchange:
                 reduced = got.to(self.dtype)
                 if self.node.rank == 0:
                     self._start_inner(unflatten(reduced, self.shapes))
-                else:  # wait for the leader's result
+                else:
+                    # Collectives on the node communicator must come in the same order on every
+                    # rank: launch the receiving end of the leader's broadcast on the advance where
+                    # the leader launches it, after its inner exchange's `rounds` advances.
                     self._bcast = torch.empty(self.numel, dtype=self.wire, device=got.device)
-                    self._handle = self.node.broadcast_async(self._bcast, 0)
-                    self._phase = "back"
+                    self._idle, self._phase = self.compressor.rounds, "idle"
             else:
                 shard = got.view(self.g, self.chunk).to(torch.float32).sum(0).div_(self.g).to(self.dtype)
                 self._start_inner([shard])
             self.compress_s += time.perf_counter() - t0
             self.round = 1
+            return False
+        if self._phase == "idle":
+            self._idle -= 1
+            if self._idle == 0:
+                self._handle = self.node.broadcast_async(self._bcast, 0)
+                self._phase, self.round = "back", 2
             return False
         if self._phase == "inner":
             c0 = self._inner.compress_s
@@ -149,10 +159,6 @@ class HierarchicalExchange:
                 self._handle = self.node.allgather_async(out[0].to(self.wire))
             self._phase, self.round = "back", 2
             return False
-        # "back": sim runs every worker in one thread, so a rank waiting for its leader must not
-        # block before the leader has launched (real backends just wait).
-        if self.comm_is_sim and not self._handle.is_completed():  # type: ignore[union-attr]
-            return False
         got = wait_all([self._handle], self.link_s, 2)[0]  # type: ignore[list-item]
         t0 = time.perf_counter()
         flat = (got if self.leader_only else torch.cat(got)[:self.numel]).to(self.dtype)
@@ -160,10 +166,6 @@ class HierarchicalExchange:
             else [flat.view(self.shapes[0])]
         self.compress_s += time.perf_counter() - t0
         return True
-
-    @property
-    def comm_is_sim(self) -> bool:
-        return self.node.clock == "modelled"
 
     def _start_inner(self, tensors: list[Tensor]) -> None:
         assert self.scheme.inner is not None
