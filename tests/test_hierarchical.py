@@ -81,6 +81,7 @@ def test_only_the_shards_cross_nodes_and_the_clock_sees_two_levels():
     st = run_step(engine, model, [(torch.randn(2, 128), torch.randn(2, 128))] * 8)
     size = 128 * 128 * 4
     assert st.bytes_sent == cost.alltoall_bytes(size, 4) + cost.allreduce_bytes(size // 4, 2) + 3 * (size // 4)
+    assert st.bytes_sent - st.intra_bytes_sent == cost.allreduce_bytes(size // 4, 2)  # what crossed nodes
     intra, inter = world.intra, cost.Link(world.inter.bandwidth_bps / 4, world.inter.latency_s)  # 4 shards share a card
     want = (cost.alltoall_time(size, 4, intra) + cost.allreduce_time(size / 4, 2, inter)
             + cost.allgather_time([size // 4] * 4, intra))

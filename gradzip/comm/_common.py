@@ -106,7 +106,8 @@ class TimedHandle(Handle):
             except BaseException as e:
                 self._error = e
                 raise
-            self._comm.stats.record(self._op, self._sent, self._recv, time.perf_counter() - self._t0)
+            self._comm.stats.record(self._op, self._sent, self._recv, time.perf_counter() - self._t0,
+                                    self._comm.intra)
         return self._result
 
     def is_completed(self) -> bool:

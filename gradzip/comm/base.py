@@ -24,6 +24,10 @@ Contract (every backend):
   on every rank.
 - ``barrier()``.
 - The synchronous forms are ``op_async(...).wait()``.
+- A communicator whose ranks share one node has ``intra = True`` (``sim``: from ``ranks_per_node``;
+  real backends: the node communicator of :func:`gradzip.comm.topology.topology`); its bytes are
+  also counted in ``stats.intra_bytes_sent``, so that ``bytes_sent − intra_bytes_sent`` is what
+  crossed between nodes.
 - Every call records in ``self.stats`` the bytes this rank sends and receives, by the algorithm
   formulas of :mod:`gradzip.comm.cost` (so all backends count identically), and the time it took:
   measured wall time for real backends, modelled α–β time for ``sim`` (``clock == "modelled"``).
@@ -62,10 +66,13 @@ class CommStats:
     seconds: float = 0.0
     calls: int = 0
     by_op: dict[str, OpTotals] = field(default_factory=dict)
+    intra_bytes_sent: int = 0  # the part of bytes_sent that stayed inside this rank's node
 
-    def record(self, op: str, sent: int, recv: int, seconds: float) -> None:
+    def record(self, op: str, sent: int, recv: int, seconds: float, intra: bool = False) -> None:
         self.bytes_sent += sent
         self.bytes_recv += recv
+        if intra:
+            self.intra_bytes_sent += sent
         self.seconds += seconds
         self.calls += 1
         t = self.by_op.setdefault(op, OpTotals())
@@ -74,19 +81,20 @@ class CommStats:
         t.bytes_recv += recv
         t.seconds += seconds
 
-    def snapshot(self) -> tuple[int, int, float, int]:
-        return (self.bytes_sent, self.bytes_recv, self.seconds, self.calls)
+    def snapshot(self) -> tuple[int, int, float, int, int]:
+        return (self.bytes_sent, self.bytes_recv, self.seconds, self.calls, self.intra_bytes_sent)
 
-    def since(self, snap: tuple[int, int, float, int]) -> dict[str, float]:
+    def since(self, snap: tuple[int, int, float, int, int]) -> dict[str, float]:
         return {
             "bytes_sent": self.bytes_sent - snap[0],
             "bytes_recv": self.bytes_recv - snap[1],
             "seconds": self.seconds - snap[2],
             "calls": self.calls - snap[3],
+            "intra_bytes_sent": self.intra_bytes_sent - snap[4],
         }
 
     def reset(self) -> None:
-        self.bytes_sent = self.bytes_recv = self.calls = 0
+        self.bytes_sent = self.bytes_recv = self.calls = self.intra_bytes_sent = 0
         self.seconds = 0.0
         self.by_op.clear()
 
@@ -120,6 +128,7 @@ class Communicator(ABC):
 
     backend: ClassVar[str] = ""
     clock: ClassVar[Literal["measured", "modelled"]] = "measured"
+    intra: bool = False  # every rank of this communicator is on one node (see the contract)
 
     def __init__(self, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not 0 <= rank < world_size:

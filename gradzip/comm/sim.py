@@ -167,6 +167,7 @@ class SimWorld:
     def _complete(self, seq: int, op: _Op) -> None:
         ins: list[Tensor] = op.inputs  # type: ignore[assignment]
         n, link = self.n, self.link
+        intra = len(set(self.nodes)) == 1
         if op.kind == "allreduce":
             dt = ins[0].dtype  # exact integer sums, as Gloo/MPI do; floats accumulate in fp32 (fp64 stays)
             acc_dtype = dt if dt in (torch.float64, torch.int64) else (
@@ -183,14 +184,14 @@ class SimWorld:
             op.modelled_s = cost.allreduce_time(size, n, link)
             for r in range(n):
                 s = cost.allreduce_bytes(size, n)
-                self.comms[r].stats.record("allreduce", s, s, op.modelled_s)
+                self.comms[r].stats.record("allreduce", s, s, op.modelled_s, intra)
         elif op.kind == "allgather":
             sizes = [nbytes(t) for t in ins]
             op.modelled_s = cost.allgather_time(sizes, link)
             op.results = [[t.clone() for t in ins] for _ in range(n)]
             for r in range(n):
                 s, rcv = cost.allgather_bytes(sizes, r)
-                self.comms[r].stats.record("allgather", s, rcv, op.modelled_s)
+                self.comms[r].stats.record("allgather", s, rcv, op.modelled_s, intra)
         elif op.kind == "alltoall":
             views = [t.reshape(n, t.shape[0] // n, *t.shape[1:]) for t in ins]  # equal first-dim chunks
             op.results = [torch.cat([v[r] for v in views], 0) for r in range(n)]
@@ -199,7 +200,7 @@ class SimWorld:
             op.modelled_s = cost.alltoall_time(size, n, link, self.per_node if spans else 1, self.intra)
             for r in range(n):
                 s = cost.alltoall_bytes(size, n)
-                self.comms[r].stats.record("alltoall", s, s, op.modelled_s)
+                self.comms[r].stats.record("alltoall", s, s, op.modelled_s, intra)
         elif op.kind == "split":
             op.results = self._split([int(t[0]) for t in ins], [int(t[1]) for t in ins])
             op.modelled_s = cost.allgather_time([16] * n, link)  # the colours travel as an allgather
@@ -216,7 +217,7 @@ class SimWorld:
             op.modelled_s = cost.broadcast_time(size, n, link)
             for r in range(n):
                 s, rcv = cost.broadcast_bytes(size, n, r, src)
-                self.comms[r].stats.record("broadcast", s, rcv, op.modelled_s)
+                self.comms[r].stats.record("broadcast", s, rcv, op.modelled_s, intra)
         else:  # barrier
             op.results = [None] * n
             op.modelled_s = cost.barrier_time(n, link)
@@ -284,6 +285,10 @@ class SimCommunicator(Communicator):
     def _bind(self, world: SimWorld, rank: int) -> None:
         self.world, self.rank, self.world_size, self._seq = world, rank, world.n, 0
         self.timeout = world.timeout
+
+    @property
+    def intra(self) -> bool:  # type: ignore[override]
+        return len(set(self.world.nodes)) == 1
 
     @property
     def node(self) -> int:

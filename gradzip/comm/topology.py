@@ -85,4 +85,5 @@ def topology(comm: Communicator, environ: Mapping[str, str] | None = None) -> To
         raise GradzipError(f"hierarchical exchange needs the same number of ranks on every node, got node sizes "
                            f"{counts} (this rank's node: {key}); start the same number of ranks per node")
     cross = comm.split(node.rank)
+    node.intra = True  # its traffic never leaves the node (counted apart in the stats)
     return Topology(node, cross, node.rank, counts[0])

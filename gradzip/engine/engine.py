@@ -447,6 +447,7 @@ class Engine:
     def _stats(self, t_fin: float, t_done: float) -> StepStats:
         deltas = [w.comm.stats.since(w.snap) for w in self._workers]
         sent = round(sum(d["bytes_sent"] for d in deltas) / len(deltas))
+        intra = round(sum(d["intra_bytes_sent"] for d in deltas) / len(deltas))
         recv = round(sum(d["bytes_recv"] for d in deltas) / len(deltas))
         if self.sim:
             per_worker = []
@@ -464,7 +465,7 @@ class Engine:
             m = model_step(sum(computes) / len(computes), self.last_timings)
             return StepStats(compute_s=m.compute_s, compress_s=m.compress_s, comm_s=m.comm_s, bytes_sent=sent,
                              bytes_recv=recv, step_s=m.step_s, clock="modelled", link_s=m.link_s,
-                             buckets=len(self.buckets))
+                             buckets=len(self.buckets), intra_bytes_sent=intra)
         w = self._workers[0]
         self.last_timings = list(w.timing)
         start = w.fwd_start if w.fwd_start is not None else self._last_end
@@ -475,7 +476,7 @@ class Engine:
         exposed = max(0.0, (t_done - t_fin) - w.fin_s)
         return StepStats(compute_s=compute, compress_s=compress, comm_s=exposed, bytes_sent=sent, bytes_recv=recv,
                          step_s=t_done - start, clock=w.comm.clock, link_s=deltas[0]["seconds"],
-                         buckets=len(self.buckets))
+                         buckets=len(self.buckets), intra_bytes_sent=intra)
 
 
 def attach(model: torch.nn.Module, compressor: str | Compressor = "none", comm: Communicator | SimWorld | None = None,

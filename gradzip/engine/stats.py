@@ -20,6 +20,8 @@ class StepStats:
     link_s: total communication time, overlapped or not (sim: modelled α–β time of every
         collective; real: the backend's measured time per collective, which overlaps).
     buckets: number of buckets exchanged.
+    intra_bytes_sent: the part of ``bytes_sent`` that stayed inside the node (hierarchical
+        exchange; sim with ``ranks_per_node``); the rest crossed between nodes.
     """
 
     compute_s: float
@@ -31,6 +33,7 @@ class StepStats:
     clock: str
     link_s: float = 0.0
     buckets: int = 0
+    intra_bytes_sent: int = 0
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)

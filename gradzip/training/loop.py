@@ -128,7 +128,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 samples=progress["samples"], step_s=stats.step_s + opt_s, wall_s=progress["wall_s"],
                 compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
                 bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
-                clock=stats.clock, host_s=progress["host_s"])
+                clock=stats.clock, host_s=progress["host_s"],
+                bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent))
             eval_now = step == last or (cfg.eval_every and step % cfg.eval_every == 0)
             if runtime.is_main and cfg.eval_batches and eval_now:
                 ev = evaluate(model, data, cfg, precision, runtime.device)

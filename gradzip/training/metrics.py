@@ -15,6 +15,8 @@ compute_s      forward+backward time of one worker (``sim``: measured, as one of
 compress_s     encode/decode time;  ``comm_s``: exposed (non-overlapped) communication time
 opt_s          optimizer (+ clipping) time
 bytes_sent     bytes this rank sent this step (``bytes_recv``: received)
+bytes_inter    the part of ``bytes_sent`` that crossed between nodes (all of it unless some ranks
+               share a node: ``--ranks-per-node``, or a launcher's nodes under ``--hierarchical``)
 grad_norm      global gradient norm before clipping (of the averaged gradient)
 clock          "modelled" (``sim``: α–β network model) or "measured" (real backends)
 host_s         real seconds since the run started, cumulative over resumes
@@ -62,6 +64,7 @@ class StepRecord:
     grad_norm: float
     clock: str
     host_s: float
+    bytes_inter: int = 0
     eval_loss: float | None = None
     eval_mlm_loss: float | None = None
     eval_nsp_loss: float | None = None
@@ -136,6 +139,7 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         "samples": int(last.get("samples", 0)),
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "bytes_per_step": bytes_per_step,
+        "inter_bytes_per_step": sum(r.get("bytes_inter", r.get("bytes_sent", 0)) for r in records) / n if n else 0.0,
         "uncompressed_bytes_per_step": uncompressed_bytes,
         "compression_ratio": (uncompressed_bytes / bytes_per_step) if bytes_per_step > 0 else None,
         "wall_s": wall,

@@ -83,7 +83,7 @@ def uncounted(comm: Any) -> Iterator[None]:
         yield
     finally:
         st = comm.stats
-        for name in ("bytes_sent", "bytes_recv", "seconds", "calls"):
+        for name in ("bytes_sent", "bytes_recv", "seconds", "calls", "intra_bytes_sent"):
             setattr(st, name, getattr(saved, name))
         st.by_op.clear()
         st.by_op.update(saved.by_op)
