@@ -260,3 +260,35 @@ def test_bad_flags_exit_2_with_one_line(flags, needle, capsys):
     assert main(["simulate", "--tokens-per-second", "1000", *flags]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("spec", ["none", "onebit:exchange=twophase", "topk:ratio=0.01,ef=true",
+                                  "topk:ratio=0.01,ef=true,exchange=sparse", "powersgd:rank=4"])
+def test_hierarchical_exchange_matches_the_engine_on_two_nodes_of_two(spec):
+    """Bytes (all, and those crossing nodes) and link time of gradzip simulate --hierarchical equal
+    the engine's on a sim world of 2 nodes x 2 workers (same links, no latency)."""
+    from gradzip.comm.sim import SimWorld
+    from gradzip.engine import attach
+    from gradzip.models import BertForPreTraining
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(bert_config("bert-tiny"))
+    world = SimWorld(4, bandwidth=1e9, latency=0, ranks_per_node=2, intra_bandwidth=1e10, intra_latency=0)
+    engine = attach(model, spec, world, hierarchical=True)
+    ids = torch.randint(5, 100, (2, 16))
+    for w in engine.worker_ids:
+        with engine.worker(w):
+            out = model(ids, torch.zeros_like(ids), torch.ones_like(ids), labels=ids,
+                        next_sentence_label=torch.zeros(2, dtype=torch.long))
+            out.loss.backward()
+    stats = engine.finalize()
+    p = sim.predict(spec, work(hierarchical=True), cluster(2, 2))
+    assert p.hierarchical and stats.bytes_sent == p.sent_bytes
+    assert stats.bytes_sent - stats.intra_bytes_sent == p.inter_bytes < p.sent_bytes
+    assert stats.link_s == pytest.approx(p.comm_s, rel=1e-6)
+
+
+def test_hierarchical_with_one_gpu_per_node_is_the_flat_prediction():
+    for spec in ("fp16", "onebit:exchange=twophase", "powersgd:rank=4"):
+        flat, hier = (sim.predict(spec, work(hierarchical=h), cluster(4, 1)) for h in (False, True))
+        assert (flat.sent_bytes, flat.comm_s, flat.step_s) == (hier.sent_bytes, hier.comm_s, hier.step_s)

@@ -58,8 +58,22 @@ from pathlib import Path
 import torch
 
 from gradzip.cluster.buckets import MiB, assign_buckets
+from gradzip.cluster.exchanges import (  # noqa: F401 - re-exported: the per-bucket models
+    flat_bucket,
+    hierarchical_bucket,
+    payload_tensors_per_round,
+    sparse_bucket,
+    twophase_bucket,
+)
+from gradzip.cluster.network import (  # noqa: F401 - re-exported: the network model
+    ALGORITHMS,
+    Cluster,
+    CodecCost,
+    allgather_time,
+    allreduce_time,
+    alltoall_time,
+)
 from gradzip.cluster.schedule import BucketTiming, model_step
-from gradzip.comm import cost
 from gradzip.compress.base import Compressor
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError
@@ -67,41 +81,6 @@ from gradzip.models import MODEL_SIZES, bert_config, parameter_shapes
 from gradzip.units import parse_bandwidth, parse_latency
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-ALGORITHMS = ("hierarchical", "ring")
-
-
-@dataclass(frozen=True)
-class Cluster:
-    nodes: int
-    gpus_per_node: int
-    inter_bps: float
-    intra_bps: float
-    inter_latency_s: float = 50e-6
-    intra_latency_s: float = 5e-6
-    algorithm: str = "hierarchical"
-    link_efficiency: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 1:
-            raise GradzipError(f"--nodes and --gpus-per-node must be >= 1, got {self.nodes} and {self.gpus_per_node}")
-        if not (self.inter_bps > 0 and self.intra_bps > 0):
-            raise GradzipError("bandwidths must be positive (e.g. 10gbit)")
-        if self.inter_latency_s < 0 or self.intra_latency_s < 0:
-            raise GradzipError("latencies must not be negative")
-        if self.algorithm not in ALGORITHMS:
-            raise GradzipError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-        if not 0 < self.link_efficiency <= 1:
-            raise GradzipError(f"--link-efficiency must be in (0, 1], got {self.link_efficiency}")
-
-    @property
-    def workers(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    def inter(self, share: int = 1) -> cost.Link:
-        return cost.Link(self.inter_bps * self.link_efficiency / share, self.inter_latency_s)
-
-    def intra(self) -> cost.Link:
-        return cost.Link(self.intra_bps * self.link_efficiency, self.intra_latency_s)
 
 
 @dataclass(frozen=True)
@@ -117,6 +96,7 @@ class Workload:
     min_compress_numel: int = 1024
     grad_dtype: str = "fp32"
     vocab_size: int | None = None
+    hierarchical: bool = False  # the engine's --hierarchical exchange
 
     def __post_init__(self) -> None:
         if not self.tokens_per_second > 0:
@@ -139,23 +119,16 @@ class Workload:
         return self.batch_size * self.seq_len * self.accumulation
 
 
-@dataclass(frozen=True)
-class CodecCost:
-    """Seconds per gradient element: own encode + decode, and per other rank's payload (allgather)."""
-
-    encode_s: float = 0.0
-    aggregate_s: float = 0.0
-    source: str = "none (compression time not modelled)"
-
-
 @dataclass
 class Prediction:
     compressor: str
-    exchange: str               # the scheme: allreduce, allgather, twophase
+    exchange: str               # the scheme: allreduce, allgather, twophase, sparse
+    hierarchical: bool          # the engine's hierarchical exchange (compress only between nodes)
     workers: int
     params: int
     payload_bytes: int          # per GPU per step, all rounds (the compressor's formula)
     sent_bytes: int             # per GPU per step by the flat-ring formulas (= the engine's bytes_sent)
+    inter_bytes: int            # of which cross between nodes (less than sent_bytes only when hierarchical)
     compression_ratio: float    # fp32 gradient bytes / payload bytes
     collectives: int            # per step
     compute_s: float
@@ -191,207 +164,56 @@ def model_buckets(model: str, vocab_size: int | None, cap_mb: float, min_compres
     return out, sum(math.prod(s) for s in shapes.values())
 
 
-@functools.lru_cache(maxsize=64)
-def payload_tensors_per_round(spec: str) -> tuple[int, ...]:
-    """How many payload tensors (= collectives) each round of a compressed bucket sends, probed on
-    a tiny bucket (a 32×32 matrix and a 32-vector)."""
-    comp = create(spec)
-    g = torch.Generator().manual_seed(0)
-    bucket = [torch.randn(32, 32, generator=g), torch.randn(32, generator=g)]
-    payload, ctx = comp.compress_batch(bucket, "probe")
-    counts = [len(payload)]
-    for _ in range(1, comp.rounds):
-        payload = tuple(p.clone() for p in payload)
-        payload, ctx = comp.next_round_batch(payload, ctx)
-        counts.append(len(payload))
-    return tuple(counts)
-
-
 def separate_small_for(comp: Compressor) -> bool:
     # As the engine: with plain `none`, small tensors ride in the ordinary buckets (no extra collectives).
     return not comp.identity
 
 
-# ------------------------------------------------------------------------------ collectives
-def allreduce_time(nbytes: float, collectives: int, cl: Cluster) -> float:
-    """α–β time of ``collectives`` allreduces carrying ``nbytes`` in total (per GPU buffer)."""
-    n, g, nodes = cl.workers, cl.gpus_per_node, cl.nodes
-    if n <= 1 or collectives == 0:
-        return 0.0
-    if cl.algorithm == "hierarchical" and g > 1 and nodes > 1:
-        def one(b: float, lat: bool) -> float:
-            inter, intra = cl.inter(share=g), cl.intra()
-            if not lat:
-                inter, intra = cost.Link(inter.bandwidth_bps), cost.Link(intra.bandwidth_bps)
-            return cost.hierarchical_allreduce_time(b, nodes, g, inter, intra)
-        return one(nbytes, False) + collectives * one(0.0, True)
-    link = cl.inter() if nodes > 1 else cl.intra()
-    return (cost.allreduce_time(nbytes, n, cost.Link(link.bandwidth_bps))
-            + collectives * cost.allreduce_time(0.0, n, link))
-
-
-def allgather_time(nbytes: float, collectives: int, cl: Cluster) -> float:
-    """α–β time of ``collectives`` allgathers in which every GPU contributes ``nbytes`` in total."""
-    n, g, nodes = cl.workers, cl.gpus_per_node, cl.nodes
-    if n <= 1 or collectives == 0:
-        return 0.0
-
-    def ag(size: float, ranks: int, link: cost.Link, lat: bool) -> float:
-        if not lat:
-            link = cost.Link(link.bandwidth_bps)
-        return cost.allgather_time([int(round(size))] * ranks, link) if ranks > 1 else 0.0
-
-    if cl.algorithm == "hierarchical" and g > 1 and nodes > 1:
-        # inter-node: g concurrent rings (one per local rank) share the NIC; then intra-node
-        # allgather of the nodes·s bytes each GPU received.
-        def one(s: float, lat: bool) -> float:
-            return ag(s, nodes, cl.inter(share=g), lat) + ag(nodes * s, g, cl.intra(), lat)
-        return one(nbytes, False) + collectives * one(0.0, True)
-    link = cl.inter() if nodes > 1 else cl.intra()
-    return ag(nbytes, n, link, False) + collectives * ag(0.0, n, link, True)
-
-
-def alltoall_time(nbytes: float, cl: Cluster) -> float:
-    """α–β time of one alltoall of an ``nbytes`` buffer per GPU over the whole cluster: the chunks
-    for other nodes of all g GPUs of a node leave through its NIC, the rest stay inside."""
-    n, g = cl.workers, cl.gpus_per_node
-    if n <= 1:
-        return 0.0
-    if cl.nodes == 1:
-        return cost.alltoall_time(nbytes, n, cl.intra())
-    return cost.alltoall_time(nbytes, n, cl.inter(), per_node=g, intra=cl.intra())
-
-
-def twophase_bucket(comp: Compressor, numel: int, dtype: torch.dtype, cl: Cluster, codec: CodecCost,
-                    ready: float) -> tuple[BucketTiming, int, float]:
-    """(timing, bytes sent, link seconds) of one bucket's compressed allreduce: an alltoall of n
-    chunk payloads, the server's decode + re-encode of its shard, an allgather of the shards."""
-    n = cl.workers
-    chunk = math.ceil(numel / n)
-    cb = comp.payload_bytes((chunk,), dtype)
-    t1 = alltoall_time(n * cb, cl)
-    t2 = allgather_time(cb, 1, cl)
-    sent = cost.alltoall_bytes(n * cb, n) + (n - 1) * cb
-    server = codec.aggregate_s * numel + codec.encode_s * chunk  # decode n chunks, encode the shard
-    timing = BucketTiming(ready_s=ready, compress_s=codec.encode_s * numel, rounds_s=[t1, t2],
-                          between_s=[server], decode_s=codec.aggregate_s * numel)
-    return timing, sent, t1 + t2
-
-
-def sparse_bucket(comp: Compressor, numel: int, dtype: torch.dtype, cl: Cluster, codec: CodecCost,
-                  ready: float) -> tuple[BucketTiming, float, float]:
-    """(timing, mean bytes sent per GPU, link seconds) of one bucket's gTop-k
-    (:mod:`gradzip.engine.gtopk`): log2(p) pairwise exchanges of the k-entry set (fp32 value +
-    int32 index), plus a fold and an unfold when n is not a power of two. A level whose pairs
-    sit inside nodes runs on the intra-node link; one that crosses nodes sends every GPU of a node
-    through its NIC at once."""
-    n, g = cl.workers, cl.gpus_per_node
-    p = 1 << (n.bit_length() - 1)
-    extra = n - p
-    s = comp.payload_bytes((numel,), torch.float32)  # k entries of 8 bytes: fp32 value, int32 index
-    rounds = []
-    if extra:
-        rounds.append(_pair_time(s, cl, share=min(g, extra), inside=False))
-    level = 1
-    while level < p:
-        rounds.append(_pair_time(s, cl, share=g, inside=2 * level <= g and g % (2 * level) == 0))
-        level <<= 1
-    if extra:
-        rounds.append(rounds[0])
-    levels = len(rounds) - (2 if extra else 0)
-    sent = (p * levels * s + 2 * extra * s) / n
-    merge = codec.aggregate_s * 2 * (s // 8)  # each merge sums and selects 2k entries
-    timing = BucketTiming(ready_s=ready, compress_s=codec.encode_s * numel, rounds_s=rounds,
-                          between_s=[merge] * (len(rounds) - 1), decode_s=merge)
-    return timing, sent, sum(rounds)
-
-
-def _pair_time(nbytes: float, cl: Cluster, share: int, inside: bool) -> float:
-    """One two-rank exchange of ``nbytes`` each way."""
-    if inside or cl.nodes == 1:
-        return cl.intra().transfer(nbytes)
-    return cl.inter(share=share).transfer(nbytes)
-
-
-# ------------------------------------------------------------------------------ prediction
-def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost = CodecCost(),
+def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost | None = None,
             tokens: float | None = None, epochs: float = 1.0) -> Prediction:
     """The cost model of the module docstring for one compressor spec."""
+    codec = codec or CodecCost()
     comp = create(spec)
     dtype = DTYPES[work.grad_dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     buckets, params = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
                                     separate_small_for(comp), work.grad_dtype)
     n = cl.workers
-    per_round = payload_tensors_per_round(comp.spec)
-    ar_bytes = ag_bytes = 0.0
-    ar_calls = ag_calls = 0
-    payload = sent = 0
-    compressed_numel = 0
+    payload = sent = inter = 0.0
+    calls = compressed_numel = 0
     compute = work.tokens_per_step / work.tokens_per_second
     backward = work.backward_fraction * compute / work.accumulation
     total_numel = sum(b.numel for b in buckets) or 1
     timings: list[BucketTiming] = []
+    detail = dict.fromkeys(("allreduce_s", "allgather_s", "twophase_s", "sparse_s", "hierarchical_s"), 0.0)
+    bucket_model = hierarchical_bucket if work.hierarchical else flat_bucket
     done_numel = 0
-    t_ar = t_ag = t_a2a = 0.0
     for b in buckets:
         done_numel += b.numel
         # The one overlap rule (cluster.schedule): buckets complete in order through the last
         # `overlap` fraction of the last micro-batch's backward, each when its gradients are done.
         ready = compute - work.overlap * backward * (1.0 - done_numel / total_numel)
-        if not b.compressed:
-            nbytes = b.numel * esize
-            payload += nbytes
-            ar_bytes += nbytes
-            ar_calls += 1
-            sent += cost.allreduce_bytes(nbytes, n)
-            t = allreduce_time(nbytes, 1, cl)
-            t_ar += t
-            timings.append(BucketTiming(ready_s=ready, compress_s=0.0, rounds_s=[t]))
-            continue
-        compressed_numel += b.numel
-        nbytes = comp.batch_payload_bytes(b.shapes, dtype)
-        payload += nbytes
-        encode = codec.encode_s * b.numel
-        if comp.exchange in ("twophase", "sparse") and n > 1:
-            bucket_model = twophase_bucket if comp.exchange == "twophase" else sparse_bucket
-            timing, sent_b, t = bucket_model(comp, b.numel, dtype, cl, codec, ready)
-            sent += sent_b
-            t_a2a += t
-            ag_calls += 1
-            timings.append(timing)
-            continue
-        if comp.collective == "allgather":
-            ag_bytes += nbytes
-            ag_calls += sum(per_round)
-            sent += (n - 1) * nbytes
-            t = allgather_time(nbytes, sum(per_round), cl)
-            t_ag += t
-            decode = codec.aggregate_s * (n - 1) * b.numel
+        if b.compressed:
+            compressed_numel += b.numel
+            payload += comp.batch_payload_bytes(b.shapes, dtype)
         else:
-            ar_bytes += nbytes
-            ar_calls += sum(per_round)
-            sent += cost.allreduce_bytes(nbytes, n)
-            t = allreduce_time(nbytes, sum(per_round), cl)
-            t_ar += t
-            decode = 0.0
-        # Rounds share the bucket's link time by their number of collectives (bytes per round are
-        # not separated by the compressor's formula; the sum is exact).
-        rounds = [t * k / sum(per_round) for k in per_round] if sum(per_round) else [t]
-        timings.append(BucketTiming(ready_s=ready, compress_s=encode, rounds_s=rounds,
-                                    between_s=[0.0] * (len(rounds) - 1), decode_s=decode))
+            payload += b.numel * esize
+        bc = bucket_model(comp, b.shapes, b.numel, b.compressed, dtype, cl, codec, ready)
+        timings.append(bc.timing)
+        sent, inter, calls = sent + bc.sent, inter + bc.inter, calls + bc.calls
+        detail[bc.kind] += bc.link_s
     modelled = model_step(compute, timings)
     compress, comm, exposed, step = modelled.compress_s, modelled.link_s, modelled.comm_s, modelled.step_s
     tps = n * work.tokens_per_step / step
     return Prediction(
-        compressor=comp.spec, exchange=comp.exchange, workers=n, params=params, payload_bytes=int(payload),
-        sent_bytes=int(round(sent)),
+        compressor=comp.spec, exchange=comp.exchange, hierarchical=work.hierarchical, workers=n, params=params,
+        payload_bytes=int(payload), sent_bytes=int(round(sent)), inter_bytes=int(round(inter)),
         compression_ratio=params * 4 / payload if payload else math.inf,
-        collectives=(ar_calls + ag_calls) if n > 1 else 0,
+        collectives=calls if n > 1 else 0,
         compute_s=compute, backward_s=backward, compress_s=compress, comm_s=comm, exposed_comm_s=exposed,
         step_s=step, tokens_per_s=tps, scaling_efficiency=compute / step,
         days=None if tokens is None else tokens * epochs / tps / 86400.0,
-        detail={"allreduce_s": t_ar, "allgather_s": t_ag, "twophase_s": t_a2a, "compressed_elements": compressed_numel},
+        detail={**detail, "compressed_elements": compressed_numel},
     )
 
 
@@ -488,7 +310,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--intra-bandwidth", default="100gbit", help="GPU-to-GPU bandwidth inside a node (default 100gbit)")
     a("--latency", default="50us", help="α per message between nodes (default 50us)")
     a("--intra-latency", default="5us", help="α per message inside a node (default 5us)")
-    a("--algorithm", default="hierarchical", choices=ALGORITHMS, help="collective algorithm (default hierarchical)")
+    a("--algorithm", default="hierarchical", choices=ALGORITHMS,
+      help="the collectives' algorithm, NCCL-style hierarchical or flat ring (default hierarchical)")
+    a("--hierarchical", action="store_true",
+      help="the engine's hierarchical exchange (gradzip train --hierarchical): reduce in full precision inside "
+           "each node, compress only between nodes")
     a("--link-efficiency", type=float, default=1.0,
       help="fraction of the bandwidth that carries payload (default 1; TCP over Ethernet MTU 1500: 0.956)")
     a("--tokens-per-second", type=float, required=True, help="one GPU's training throughput alone (tokens/s)")
@@ -521,7 +347,7 @@ def _build(args: argparse.Namespace) -> tuple[Workload, Cluster]:
         raise GradzipError("--tokens and --epochs must be positive")
     work = Workload(args.model, args.tokens_per_second, args.batch_size, args.seq_len, args.accumulation,
                     args.overlap, args.backward_fraction, args.bucket_cap_mb, args.min_compress_numel,
-                    args.grad_dtype, args.vocab_size)
+                    args.grad_dtype, args.vocab_size, args.hierarchical)
     cl = Cluster(args.nodes, args.gpus_per_node, _bandwidth(args.inter_bandwidth, "--inter-bandwidth"),
                  _bandwidth(args.intra_bandwidth, "--intra-bandwidth"), parse_latency(args.latency),
                  parse_latency(args.intra_latency), args.algorithm, args.link_efficiency)
@@ -553,7 +379,8 @@ def run(args: argparse.Namespace) -> int:
     p0 = preds[0][0]
     print(f"{work.model}: {p0.params / 1e6:.1f} M parameters; {cl.nodes} nodes x {cl.gpus_per_node} GPUs = "
           f"{cl.workers} workers; {args.inter_bandwidth} between nodes, {args.intra_bandwidth} inside; "
-          f"{cl.algorithm}; {work.tokens_per_step} tokens per GPU per step at {work.tokens_per_second:g} tokens/s")
+          f"{cl.algorithm} collectives{'; hierarchical exchange' if work.hierarchical else ''}; "
+          f"{work.tokens_per_step} tokens per GPU per step at {work.tokens_per_second:g} tokens/s")
     head = (f"{'compressor':<{width}} {'exchange':>9} {'MB/GPU':>8} {'ratio':>7} {'compute':>8} {'compress':>9} "
             f"{'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10} {'eff.':>6}"
             + (f" {'days':>7}" if args.tokens else ""))

@@ -253,8 +253,8 @@ class SimWorld:
         for w in spanning:
             for node in set(w.nodes):
                 per_node[node] = per_node.get(node, 0) + 1
-        for w in spanning:
-            w.share = max(per_node[node] for node in set(w.nodes))
+        for w in spanning:  # a split of a split also shares the card with the parent's siblings
+            w.share = self.share * max(per_node[node] for node in set(w.nodes))
         bound: dict[int, SimCommunicator] = {}
         for c, ranks in groups.items():
             for new_rank, old in enumerate(ranks):

@@ -45,10 +45,16 @@ class HierarchicalScheme:
         self.topo = topology(comm)
         self.intra_dtype = intra_dtype
         self.inner: SchemeState | None = None
+        self.leader_inner: SchemeState | None = None
+        # per_tensor compressors: only node leaders exchange across nodes, alone on their NIC.
+        self._leaders = comm.split(0 if self.topo.local_rank == 0 else comm.world_size + comm.rank) \
+            if compressor.per_tensor else None
 
     def bind(self) -> None:
         if self.inner is None:
             self.inner = SchemeState(self.compressor, self.topo.cross)
+            if self._leaders is not None:
+                self.leader_inner = SchemeState(self.compressor, self._leaders)
 
     @property
     def ranks_per_node(self) -> int:
@@ -64,12 +70,17 @@ class HierarchicalScheme:
     def state_dict(self) -> dict[str, Any]:
         self.bind()
         assert self.inner is not None
-        return {"inner": self.inner.state_dict()}
+        out = {"inner": self.inner.state_dict()}
+        if self.leader_inner is not None:
+            out["leaders"] = self.leader_inner.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bind()
         assert self.inner is not None
         self.inner.load_state_dict(state.get("inner", {}))
+        if self.leader_inner is not None:
+            self.leader_inner.load_state_dict(state.get("leaders", {}))
 
 
 class HierarchicalExchange:
@@ -125,7 +136,7 @@ class HierarchicalExchange:
             if self.leader_only:
                 reduced = got.to(self.dtype)
                 if self.node.rank == 0:
-                    self._start_inner(unflatten(reduced, self.shapes))
+                    self._start_inner(unflatten(reduced, self.shapes), self.scheme.leader_inner)
                 else:
                     # Collectives on the node communicator must come in the same order on every
                     # rank: launch the receiving end of the leader's broadcast on the advance where
@@ -134,7 +145,7 @@ class HierarchicalExchange:
                     self._idle, self._phase = self.compressor.rounds, "idle"
             else:
                 shard = got.view(self.g, self.chunk).to(torch.float32).sum(0).div_(self.g).to(self.dtype)
-                self._start_inner([shard])
+                self._start_inner([shard], self.scheme.inner)
             self.compress_s += time.perf_counter() - t0
             self.round = 1
             return False
@@ -167,9 +178,9 @@ class HierarchicalExchange:
         self.compress_s += time.perf_counter() - t0
         return True
 
-    def _start_inner(self, tensors: list[Tensor]) -> None:
-        assert self.scheme.inner is not None
-        self._inner = self.scheme.inner.exchange(self.compressor, tensors, f"{self.key}/node")
+    def _start_inner(self, tensors: list[Tensor], inner: SchemeState | None) -> None:
+        assert inner is not None
+        self._inner = inner.exchange(self.compressor, tensors, f"{self.key}/node")
         self._inner.start()
         self._phase = "inner"
 
