@@ -529,7 +529,7 @@ def test_projection_table_is_what_the_simulator_prints(capsys):
     for spec, payload, collective, comm, step, tps, eff, days0, days1 in rows:
         c = create(spec)
         r, r1 = results["0"][c.spec], results["1"][c.spec]
-        want = [f"{r['payload_bytes'] / 1e6:,.1f} MB", c.collective + (f" ×{c.rounds}" if c.rounds > 1 else ""),
+        want = [f"{r['payload_bytes'] / 1e6:,.1f} MB", c.exchange + (f" ×{c.rounds}" if c.rounds > 1 else ""),
                 f"{r['comm_s'] * 1e3:,.0f} ms", f"{r['step_s'] * 1e3:,.0f} ms", f"{r['tokens_per_s']:,.0f}",
                 f"{r['scaling_efficiency']:.0%}", f"{r['days']:.1f}", f"{r1['days']:.1f}"]
         got = [payload, collective, comm, step, tps, eff, days0, days1]

@@ -26,6 +26,9 @@ Per step and per GPU (every GPU does the same work, so one is enough):
      gets B_inter / g. With one GPU per node, hierarchical equals ring.
    - a flat ring across nodes runs at the speed of its inter-node hops (B_inter, α_inter);
      within one node at B_intra, α_intra.
+   - exchange schemes and ``--hierarchical``: :mod:`gradzip.cluster.exchanges` (``twophase``: an
+     alltoall whose off-node chunks share the NIC, then an allgather; ``sparse``: log2 n pairwise
+     exchanges; hierarchical: intra-node alltoall/allgather around the scheme on a 1/g shard).
    - B is the link bandwidth times ``link_efficiency`` (framing: TCP/IPv4 over Ethernet at MTU
      1500 carries 1448 payload bytes per 1514-byte frame, 0.956).
 6. Overlap, by the one step-time model that the ``sim`` backend's clock also uses

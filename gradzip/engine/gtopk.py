@@ -140,7 +140,8 @@ class SparseExchange:
             self._handle = c.allgather_async(pack(self.set))
         else:  # fold: the upper rank (sub-rank 1) sends; unfold: the lower one (sub-rank 0) does
             src = 1 if step.kind == "fold" else 0
-            buf = pack(self.set) if c.rank == src else torch.empty(8 * self.k, dtype=torch.uint8)
+            buf = pack(self.set) if c.rank == src else torch.empty(8 * self.k, dtype=torch.uint8,
+                                                                     device=self.set[0].device)
             self._handle = c.broadcast_async(buf, src)
 
     def advance(self) -> bool:

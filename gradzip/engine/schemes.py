@@ -127,7 +127,8 @@ class TwoPhaseExchange:
             if j == r:  # decodes every rank's chunk r: same size, same key (the contract)
                 self._mine, self._ctx = payload, ctx
             rows.append(pack(payload))
-        send = torch.stack(rows) if rows[0].numel() else torch.empty(len(rows), 0, dtype=torch.uint8)
+        send = torch.stack(rows) if rows[0].numel() else torch.empty(len(rows), 0, dtype=torch.uint8,
+                                                                     device=flat.device)
         self.compress_s += time.perf_counter() - t0
         self._handle = self.comm.alltoall_async(send)
 

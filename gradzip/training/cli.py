@@ -184,7 +184,9 @@ def _print_summary(s: dict[str, Any]) -> None:
     def f(v: Any, fmt: str) -> str:
         return "n/a" if v is None else format(v, fmt)
 
-    print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {s.get('compressor')} on "
+    how = f" (exchange {s.get('exchange')}{', hierarchical' if s.get('hierarchical') else ''})" \
+        if s.get("exchange") else ""
+    print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {s.get('compressor')}{how} on "
           f"{s.get('workers')} {s.get('backend')} workers: loss {f(s.get('final_loss'), '.4f')}, "
           f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "
           f"({s.get('clock')}), {f(s.get('bytes_per_step'), ',.0f')} bytes/step sent per rank, "
