@@ -15,6 +15,7 @@ from gradzip.cli import main
 from gradzip.errors import SpecError
 from gradzip.experiments.run_cli import shipped
 from gradzip.experiments.spec import MAX_NAME, cell_name, load_spec
+from gradzip.training.config import TrainConfig
 
 # bert-tiny with a small vocabulary, short sequences and a few steps: a cell trains in seconds.
 TINY = """
@@ -57,6 +58,8 @@ def write_spec(path: Path, body: str) -> Path:
     ("[grid]\nmethod = [{compressor = 'none'}, 1]\n", r"axis 'method' value must be a table"),
     ("[grid]\nseed = [0, 0]\n", r"axis 'seed' lists 'seed=0' twice"),
     ("[grid\nseed = [0]\n", r"not valid TOML"),
+    ("[base]\ncompressor = 'powersgd'\n[grid]\nexchange = ['allreduce', 'twophase']\n",
+     r"cell exchange=twophase: --exchange: powersgd: powersgd does not support exchange 'twophase'"),
 ])
 def test_bad_specs_get_one_line_errors(tmp_path, capsys, body, message):
     spec = write_spec(tmp_path / "bad.toml", body)
@@ -89,6 +92,22 @@ method = [{seed = 0}, {label = "acc2", accumulation = 2, seed = 1}]
     assert names == [c.name for c in load_spec(tmp_path / "s.toml").cells]  # stable
     long = cell_name({"compressor": "powersgd:rank=4,warm_start=true," + "x" * 200})
     assert len(long) <= MAX_NAME and long != cell_name({"compressor": "powersgd:rank=4,warm_start=true," + "y" * 200})
+
+
+def test_the_exchange_scheme_is_an_axis(tmp_path):
+    spec = load_spec(write_spec(tmp_path / "s.toml", """
+[base]
+steps = 3
+hierarchical = true
+ranks_per_node = 2
+[grid]
+compressor = ["onebit", "topk:ratio=0.01,ef=true"]
+exchange = ["allgather", "twophase"]
+"""))
+    assert [c.name for c in spec.cells][:2] == ["compressor=onebit__exchange=allgather",
+                                                "compressor=onebit__exchange=twophase"]
+    cfg = TrainConfig.from_dict(spec.cells[1].config)
+    assert cfg.spec == "onebit:exchange=twophase" and cfg.hierarchical and cfg.ranks_per_node == 2
 
 
 def test_shipped_specs_are_valid_and_listed(capsys):
