@@ -184,10 +184,12 @@ def _print_summary(s: dict[str, Any]) -> None:
     def f(v: Any, fmt: str) -> str:
         return "n/a" if v is None else format(v, fmt)
 
+    inter = s.get("inter_bytes_per_step")
+    between = f" ({inter:,.0f} between nodes)" if inter is not None and inter < (s.get("bytes_per_step") or 0) else ""
     how = f" (exchange {s.get('exchange')}{', hierarchical' if s.get('hierarchical') else ''})" \
         if s.get("exchange") else ""
     print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {s.get('compressor')}{how} on "
           f"{s.get('workers')} {s.get('backend')} workers: loss {f(s.get('final_loss'), '.4f')}, "
           f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "
-          f"({s.get('clock')}), {f(s.get('bytes_per_step'), ',.0f')} bytes/step sent per rank, "
+          f"({s.get('clock')}), {f(s.get('bytes_per_step'), ',.0f')} bytes/step sent per rank{between}, "
           f"compression {f(s.get('compression_ratio'), '.1f')}x -> {s.get('out')}")
