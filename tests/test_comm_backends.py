@@ -6,10 +6,14 @@ Each backend test is one launch of ``gradzip.comm._selftest`` (a battery of coll
 of fp32/fp16/bf16/fp64/int/uint8/bool with sum and mean, allgather of per-rank shapes including
 uint8 and empty tensors, broadcast, alltoall of many dtypes and shapes (and its ValueError for a
 first dimension the world size does not divide), split into sub-communicators and a split of a
-split with every op inside, several outstanding async ops, byte accounting), followed by a
-failure phase in which one rank dies or hangs and the others must raise a CommError that names it.
-The 4-rank launches run the failing collective on a sub-communicator, whose errors name global
-ranks. A hung launch is stopped by spawn_local's timeout (and pytest-timeout), so it fails the test.
+split with every op inside, several outstanding async ops, byte accounting, ``same_shape``
+allgathers of many dtypes with their launch properties: one collective and no header exchange,
+counted at the library calls; no blocking at launch while a peer is late; waits in different orders
+without deadlock), followed by a failure phase in which one rank dies or hangs and the others must
+raise a CommError that names it. The 4-rank launches run the failing collective on a
+sub-communicator, whose errors name global ranks; the failing collective is an allreduce, a
+variable-size allgather (Gloo, 2 ranks) or a ``same_shape`` allgather (4 ranks). A hung launch is
+stopped by spawn_local's timeout (and pytest-timeout), so it fails the test.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 from conftest import mpi_unavailable
 
 from gradzip.comm import detect_launcher_env, expand_nodelist, init_communicator, spawn_local
-from gradzip.comm._selftest import compare, self_check, sim_reference
+from gradzip.comm._selftest import compare, same_shape_input, self_check, sim_reference
 from gradzip.errors import GradzipError
 
 FAIL_TIMEOUT = 3.0  # the collective timeout in the failure phase
@@ -49,10 +53,10 @@ def _reference(n: int) -> list[dict[str, torch.Tensor]]:
     return sim_reference(n)
 
 
-def _launch(backend: str, n: int, fail: str, out: Path, fail_on: str = "world") -> tuple[int, dict[int, dict],
-                                                                                         dict[int, dict]]:
+def _launch(backend: str, n: int, fail: str, out: Path, fail_on: str = "world",
+            fail_op: str = "allreduce") -> tuple[int, dict[int, dict], dict[int, dict]]:
     argv = ["--backend", backend, "--timeout", "60", "--out", str(out), "--fail", fail,
-            "--fail-timeout", str(FAIL_TIMEOUT), "--fail-on", fail_on]
+            "--fail-timeout", str(FAIL_TIMEOUT), "--fail-on", fail_on, "--fail-op", fail_op]
     rc = spawn_local(backend, n, argv, env_extra={"OMP_NUM_THREADS": "1"}, timeout=LAUNCH_TIMEOUT,
                      module="gradzip.comm._selftest", grace=8.0)
     pts, jsons = {r: out / f"rank{r}.pt" for r in range(n)}, {r: out / f"rank{r}.json" for r in range(n)}
@@ -79,16 +83,26 @@ def _check_battery(results: dict[int, dict], n: int) -> None:
         assert torch.equal(results[r]["broadcast/f32"], results[0]["broadcast/f32"])
         key = "allreduce/torch.float32/sum/1003"
         assert torch.equal(results[r][key], results[0][key])  # every rank ends with the same sum
+        # same_shape: one data collective and no header exchange, on the world and in a split;
+        # the variable form launches only its header at issue; neither blocks while rank 0 is late
+        for where in ("world", "split"):
+            assert results[r][f"launch/{where}/same_calls"].tolist() == [1, 0], (r, where)
+            assert results[r][f"launch/{where}/var_calls_ok"], (r, where)
+        assert results[r]["launch/nonblocking"], f"rank {r}: an allgather blocked at launch"
+        for k in range(n):  # independent of sim: rank k's input, whatever the dtype
+            for dt in (torch.bfloat16, torch.complex64, torch.bool):
+                assert torch.equal(results[r][f"same/{dt}/{k}"], same_shape_input(dt, (3, 5), k)), (r, k, dt)
 
 
-def _check_named(reports: dict[int, dict], ranks: list[int], pattern: str, sub: bool = False) -> None:
+def _check_named(reports: dict[int, dict], ranks: list[int], pattern: str, sub: bool = False,
+                 op: str = "allreduce") -> None:
     assert sorted(reports) == ranks, f"failure reports from {sorted(reports)}, expected {ranks}"
     n = len(ranks) + 2 if sub else None  # the sub-communicator of the 4-rank tests: every rank, reversed
     for r, rep in reports.items():
         assert rep["is_comm_error"], f"rank {r}: {rep}"
         where = f"on global rank {r} (rank {n - 1 - r} of the sub-communicator of global ranks " \
                 f"{list(range(n))[::-1]})" if sub else f"on rank {r}"
-        assert "allreduce" in rep["message"] and where in rep["message"], f"rank {r}: {rep['message']}"
+        assert op in rep["message"] and where in rep["message"], f"rank {r}: {rep['message']}"
         assert re.search(pattern, rep["message"]), f"rank {r}: {rep['message']}"
         # bounded by the configured timeout (+ the 2 s diagnosis), far from the 60 s init timeout
         assert rep["seconds"] < FAIL_TIMEOUT + 20
@@ -96,10 +110,11 @@ def _check_named(reports: dict[int, dict], ranks: list[int], pattern: str, sub: 
 
 @pytest.mark.timeout(180)
 def test_gloo_2_ranks_and_peer_death(tmp_path):
-    rc, results, reports = _launch("gloo", 2, "die:1", tmp_path)
+    """The failing collective is a variable-size allgather: its deferred launch reports the loss."""
+    rc, results, reports = _launch("gloo", 2, "die:1", tmp_path, fail_op="allgather")
     _check_battery(results, 2)
     assert rc != 0  # rank 1 died
-    _check_named(reports, [0], r"lost rank\(s\) \[1\]")
+    _check_named(reports, [0], r"lost rank\(s\) \[1\]", op="allgather")
 
 
 @pytest.mark.timeout(180)
@@ -115,12 +130,12 @@ def test_gloo_rank_0_death_is_one_line_without_cpp_frames(tmp_path, capfd):
 
 @pytest.mark.timeout(180)
 def test_gloo_4_ranks_hung_and_late_peers(tmp_path):
-    """The failing allreduce runs on a sub-communicator (every rank, reversed), so the hung and
-    the late rank must be named by their global ranks."""
-    rc, results, reports = _launch("gloo", 4, "stall:2,behind:3", tmp_path, fail_on="split")
+    """The failing collective (a same_shape allgather) runs on a sub-communicator (every rank,
+    reversed), so the hung and the late rank must be named by their global ranks."""
+    rc, results, reports = _launch("gloo", 4, "stall:2,behind:3", tmp_path, fail_on="split", fail_op="allgather_same")
     _check_battery(results, 4)
     assert rc == 3  # the survivors' code after their CommTimeout
-    _check_named(reports, [0, 1], r"lost global rank\(s\) \[2\]", sub=True)
+    _check_named(reports, [0, 1], r"lost global rank\(s\) \[2\]", sub=True, op="allgather")
     for rep in reports.values():
         assert rep["error"] == "CommTimeout" and f"timed out after {FAIL_TIMEOUT:g} s" in rep["message"]
         assert re.search(r"global rank 3 \(last launched #\d+\)", rep["message"])
@@ -140,11 +155,12 @@ def test_mpi_2_ranks_and_peer_death(tmp_path, capfd):
 @needs_mpi
 @pytest.mark.timeout(180)
 def test_mpi_4_ranks_hung_and_late_peers(tmp_path):
-    """As the Gloo test: the failure is on a sub-communicator, named by global ranks."""
-    rc, results, reports = _launch("mpi", 4, "stall:2,behind:3", tmp_path, fail_on="split")
+    """As the Gloo test: the failure (a same_shape allgather) is on a sub-communicator, named by
+    global ranks."""
+    rc, results, reports = _launch("mpi", 4, "stall:2,behind:3", tmp_path, fail_on="split", fail_op="allgather_same")
     _check_battery(results, 4)
     assert rc == 3
-    _check_named(reports, [0, 1], r"global rank\(s\) \[2\] not responding", sub=True)
+    _check_named(reports, [0, 1], r"global rank\(s\) \[2\] not responding", sub=True, op="allgather")
     for rep in reports.values():
         assert rep["error"] == "CommTimeout"
         assert re.search(r"rank 3 \(last launched #\d+, waiting in #\d+\)", rep["message"]) is None

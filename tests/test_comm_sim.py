@@ -280,3 +280,140 @@ def test_two_link_levels_and_a_shared_network_card():
     _all(hs)
     want = cost.Link(1e9, 50e-6).transfer(4 * 4 / 8 * 8000, 4) + cost.Link(1e11, 5e-6).transfer(3 / 8 * 8000, 3)
     assert hs[0].modelled_s == pytest.approx(want)
+
+
+# ---------------------------------------------------------------- allgather(same_shape=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.bool, torch.int64])
+def test_same_shape_allgather_matches_the_variable_one_in_results_bytes_and_ops(dtype):
+    n = 4
+    ins = [(torch.arange(6).reshape(2, 3) + 10 * r).to(dtype) for r in range(n)]
+    var, same = SimWorld(n), SimWorld(n)
+    want = _all([c.allgather_async(ins[c.rank]) for c in var])
+    got = _all([c.allgather_async(ins[c.rank], same_shape=True) for c in same])
+    for r in range(n):
+        assert [t.dtype for t in got[r]] == [dtype] * n and [t.shape for t in got[r]] == [(2, 3)] * n
+        assert all(torch.equal(a, b) for a, b in zip(got[r], want[r]))
+        assert all(torch.equal(a, b) for a, b in zip(got[r], ins))
+        v, s = var[r].stats.by_op["allgather"], same[r].stats.by_op["allgather"]
+        assert (s.calls, s.bytes_sent, s.bytes_recv) == (v.calls, v.bytes_sent, v.bytes_recv) == \
+            (1, *cost.allgather_bytes([ins[0].numel() * ins[0].element_size()] * n, r))
+        assert same[r]._seq == 1 and same[r].stats.calls == 1  # one op, nothing else
+
+
+def test_same_shape_allgather_in_a_split_and_the_sync_form():
+    world = SimWorld(4, threaded=True, timeout=30)
+    out = [None] * 4
+
+    def work(r):
+        sub = world[r].split(r % 2, key=-r)
+        out[r] = (sub.allgather(torch.full((2,), float(r)), same_shape=True), world[r].allgather(
+            torch.tensor(r), same_shape=True))
+
+    ths = [threading.Thread(target=work, args=(r,)) for r in range(4)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=30)
+    for r in range(4):
+        sub_res, world_res = out[r]
+        members = [3, 1] if r % 2 else [2, 0]  # key = -rank: reversed
+        assert [t.tolist() for t in sub_res] == [[float(m)] * 2 for m in members]
+        assert [int(t) for t in world_res] == [0, 1, 2, 3] and world_res[0].shape == ()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_broken_same_shape_promise_is_a_clear_error_on_every_rank(threaded):
+    n = 4
+    world = SimWorld(n, threaded=threaded, timeout=30)
+    ins = [torch.zeros(3), torch.zeros(3), torch.zeros(5), torch.zeros(3, dtype=torch.float64)]
+    errors: dict[int, str] = {}
+    if threaded:
+        def work(r):
+            try:
+                world[r].allgather(ins[r], same_shape=True)
+            except CommError as e:
+                errors[r] = str(e)
+
+        ths = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(timeout=30)
+    else:
+        hs = [c.allgather_async(ins[c.rank], same_shape=True) for c in world]
+        for r, h in enumerate(hs):
+            with pytest.raises(CommError) as e:
+                h.wait()
+            errors[r] = str(e.value)
+    assert sorted(errors) == list(range(n))
+    for msg in errors.values():
+        assert "same_shape=True" in msg and "rank(s) [2, 3]" in msg, msg  # rank 2: shape, rank 3: dtype
+        assert "rank 2: (5,) float32" in msg and "rank 3: (3,) float64" in msg, msg
+    assert world[0].stats.calls == 0  # nothing was gathered, nothing counted
+    # the world keeps working afterwards
+    hs = [c.allgather_async(torch.ones(2), same_shape=True) for c in world]
+    if threaded:
+        res = [None] * n
+        ths = [threading.Thread(target=lambda r: res.__setitem__(r, hs[r].wait()), args=(r,)) for r in range(n)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(timeout=30)
+    else:
+        res = _all(hs)
+    assert all(len(x) == n for x in res)
+
+
+def test_broken_same_shape_promise_names_the_odd_rank_even_if_it_is_rank_0():
+    world = SimWorld(3)
+    hs = [c.allgather_async(torch.zeros(2 if c.rank == 0 else 4), same_shape=True) for c in world]
+    with pytest.raises(CommError, match=r"rank\(s\) \[0\] passed a different shape"):
+        hs[1].wait()
+
+
+def test_same_shape_must_be_the_same_on_every_rank():
+    world = SimWorld(2)
+    world[0].allgather_async(torch.zeros(3), same_shape=True)
+    with pytest.raises(CommError, match=r"allgather\(same_shape=False\).*allgather\(same_shape=True\)"):
+        world[1].allgather_async(torch.zeros(3))
+
+
+def test_slow_link_forwards_same_shape():
+    from gradzip.bench.engine import SlowLink
+
+    world = SimWorld(2)
+    slow = [SlowLink(c, cost.Link(1e12, 0.0)) for c in world]
+    hs = [s.allgather_async(torch.zeros(1 + s.rank), same_shape=True) for s in slow]
+    with pytest.raises(CommError, match="same_shape=True"):  # the promise reached sim, which checks it
+        hs[0].wait()
+    hs = [s.allgather_async(torch.full((2,), float(s.rank)), same_shape=True) for s in slow]
+    assert [t.tolist() for t in hs[1].wait()] == [[0.0, 0.0], [1.0, 1.0]]
+
+
+# ---------------------------------------------------------------- deferred launches (torch and mpi)
+def test_deferred_launches_run_in_issue_order_and_keep_their_errors():
+    from gradzip.comm import _common
+
+    order: list[str] = []
+    ready = {"a": False, "b": True, "c": True}
+
+    def item(name, fail=False):
+        def launch():
+            order.append(name)
+            if fail:
+                raise CommError(f"{name} failed")
+        return _common.defer_launch(launch, lambda: ready[name], owner=name)
+
+    a, b, c = item("a"), item("b", fail=True), item("c")
+    _common.progress_launches()  # a's header is not back: nothing may overtake it
+    assert order == [] and _common.pending_launches() == 3
+    ready["a"] = True
+    _common.progress_launches()
+    assert order == ["a", "b", "c"] and a.done and b.done and c.done
+    assert a.error is None and isinstance(b.error, CommError) and c.error is None  # a failure stops nothing else
+    d, e = item("a"), item("c")
+    _common.drop_launches("a", "closed")  # a closing communicator takes its own launches out
+    assert d.done and str(d.error) == "closed" and _common.pending_launches() == 1
+    ready["c"] = False
+    _common.flush_launches()  # flush launches even what is not ready (the launch itself waits)
+    assert order[-1] == "c" and e.done and _common.pending_launches() == 0

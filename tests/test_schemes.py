@@ -252,3 +252,25 @@ def test_sparse_resume_is_bit_identical_and_trains():
             assert torch.isfinite(a.grad).all()
         sgd_step(model)
         sgd_step(twin)
+
+
+@pytest.mark.parametrize("spec, hierarchical", [("onebit", False), ("onebit:exchange=twophase", False),
+                                                ("topk:ratio=0.1,ef=true,exchange=sparse", False),
+                                                ("topk:ratio=0.1,ef=true", True)])
+def test_fixed_size_payloads_are_gathered_without_a_size_exchange(monkeypatch, spec, hierarchical):
+    """Every allgather of a step promises same_shape (the real backends then send no header)."""
+    from gradzip.comm.sim import SimCommunicator
+
+    seen = []
+    real = SimCommunicator.allgather_async
+
+    def spy(self, tensor, same_shape=False):
+        seen.append(same_shape)
+        return real(self, tensor, same_shape=same_shape)
+
+    model = Net()
+    world = SimWorld(4, ranks_per_node=2)
+    engine = attach(model, spec, world, hierarchical=hierarchical, bucket_cap_mb=0.002, min_compress_numel=32)
+    monkeypatch.setattr(SimCommunicator, "allgather_async", spy)
+    run_step(engine, model, data(4))
+    assert seen and all(seen), seen

@@ -122,9 +122,9 @@ class SlowLink(Communicator):
         t = cost.allreduce_time(nbytes(tensor), self.world_size, self.link)
         return _DelayedHandle(self.inner.allreduce_async(tensor, op), self._occupy(t))
 
-    def allgather_async(self, tensor: torch.Tensor) -> Handle:
+    def allgather_async(self, tensor: torch.Tensor, same_shape: bool = False) -> Handle:
         t = cost.allgather_time([nbytes(tensor)] * self.world_size, self.link)
-        return _DelayedHandle(self.inner.allgather_async(tensor), self._occupy(t))
+        return _DelayedHandle(self.inner.allgather_async(tensor, same_shape), self._occupy(t))
 
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Handle:
         t = cost.broadcast_time(nbytes(tensor), self.world_size, self.link)

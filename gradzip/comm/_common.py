@@ -1,5 +1,6 @@
 """Pieces shared by the real backends (``torch`` and ``mpi``): timed handles that record stats
-exactly as ``sim`` does, the shape header of the variable-size allgather, and error messages.
+exactly as ``sim`` does, the shape header of the variable-size allgather, the queue of its
+deferred data launches, and error messages.
 
 Accounting: every handle is created with the bytes its op sends/receives by the formulas of
 :mod:`gradzip.comm.cost` (not by what the library happens to put on the wire: padding, headers and
@@ -9,7 +10,9 @@ measured from launch to the end of ``wait()``.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,16 +47,24 @@ def encode_header(t: Tensor, seq: int) -> Tensor:
     return h
 
 
-def decode_headers(headers: Tensor, op: str, rank: int) -> tuple[torch.dtype, list[torch.Size]]:
-    """Shapes per rank from the gathered ``(n, HEADER_LEN)`` headers; checks that every rank is at
-    the same collective with the same dtype (a mismatch would otherwise corrupt data silently)."""
+def decode_headers(headers: Tensor, op: str, rank: int,
+                   members: list[int] | None = None) -> tuple[torch.dtype, list[torch.Size]]:
+    """Shapes per rank from the gathered ``(n, HEADER_LEN)`` headers (rows in this communicator's
+    rank order); checks that every rank is at the same collective with the same dtype (a mismatch
+    would otherwise corrupt data silently). ``members``: the global ranks of a sub-communicator,
+    named in the error."""
     rows = headers.tolist()
-    seqs = [r[0] for r in rows]
-    if len(set(seqs)) != 1:
-        raise_mismatch(op, rank, "collective numbers", seqs)
-    codes = [r[1] for r in rows]
-    if len(set(codes)) != 1:
-        raise_mismatch(op, rank, "dtypes", [str(DTYPES[c]) if 0 <= c < len(DTYPES) else c for c in codes])
+    try:
+        seqs = [r[0] for r in rows]
+        if len(set(seqs)) != 1:
+            raise_mismatch(op, rank, "collective numbers", seqs)
+        codes = [r[1] for r in rows]
+        if len(set(codes)) != 1:
+            raise_mismatch(op, rank, "dtypes", [str(DTYPES[c]) if 0 <= c < len(DTYPES) else c for c in codes])
+    except CommError as e:
+        if members is None:
+            raise
+        raise CommError(f"{e} (ranks of the sub-communicator of global ranks {members})") from None
     shapes = [torch.Size(r[3:3 + r[2]]) for r in rows]
     return DTYPES[codes[0]], shapes
 
@@ -96,6 +107,10 @@ class TimedHandle(Handle):
         self._result: Any = None
         self._error: BaseException | None = None
 
+    def account(self, sent: int, recv: int) -> None:
+        """Set the bytes to record (an op that learns its sizes after launch: the variable allgather)."""
+        self._sent, self._recv = sent, recv
+
     def wait(self) -> Any:
         if self._error is not None:  # a failed op stays failed
             raise self._error
@@ -131,3 +146,102 @@ def mean_inplace(t: Tensor, n: int) -> None:
             t.div_(n)
         elif t.dtype != torch.bool:
             t.copy_(t.to(torch.float64).div_(n))
+
+
+# -- deferred launches ------------------------------------------------------------------------
+# A variable-shape allgather launches its header exchange at once and its data collective only
+# when the header is back. The data launches of this process wait in ONE process-wide FIFO, in
+# issue order, across all communicators: so this process launches data collectives in exactly the
+# order they were issued (what Gloo's per-group FIFOs, MPI and NCCL need, NCCL across communicators
+# too), as if each had been launched at issue. The rules, kept by the backends:
+#
+# - ``progress_launches()`` (never blocks) at every issue and ``is_completed()``: launch the
+#   leading items whose header is back;
+# - ``flush_launches()`` before launching any other collective on a data channel, and before
+#   blocking in any wait: launch every item, waiting for headers as needed.
+#
+# So a rank that blocks has launched every data collective it issued, as with launch-at-issue:
+# no wait can deadlock on a data launch that another rank deferred. A header wait is safe to block
+# on: every rank launched the header when it issued the allgather.
+
+
+class Deferred:
+    """One deferred data launch. ``ready()``: would ``launch()`` return without blocking (the header
+    is back)? ``launch()``: wait for the header and launch the data collective. Once run, ``done``
+    is True and ``error`` is what ``launch()`` raised (raised again by the op's ``wait()``)."""
+
+    __slots__ = ("ready", "launch", "owner", "done", "error")
+
+    def __init__(self, launch: Callable[[], None], ready: Callable[[], bool], owner: object) -> None:
+        self.launch, self.ready, self.owner = launch, ready, owner
+        self.done = False
+        self.error: BaseException | None = None
+
+
+_deferred: deque[Deferred] = deque()
+_deferred_lock = threading.RLock()
+_flushing = False  # a launch in progress (guards against re-entry from inside a launch)
+
+
+def defer_launch(launch: Callable[[], None], ready: Callable[[], bool], owner: object) -> Deferred:
+    """Queue a data launch of communicator ``owner`` behind every launch deferred before it (see
+    the rules above)."""
+    item = Deferred(launch, ready, owner)
+    with _deferred_lock:
+        _deferred.append(item)
+    return item
+
+
+def drop_launches(owner: object, why: str) -> None:
+    """Remove ``owner``'s deferred launches (it is closing: its groups are going away); their
+    ops' ``wait()`` raises a CommError saying ``why``."""
+    with _deferred_lock:
+        for item in [d for d in _deferred if d.owner is owner]:
+            _deferred.remove(item)
+            item.error, item.done = CommError(why), True
+
+
+def progress_launches() -> None:
+    """Launch the leading deferred items whose headers are back, in order; never blocks."""
+    _drain(block=False)
+
+
+def flush_launches() -> None:
+    """Launch every deferred item, in order, waiting for headers as needed."""
+    _drain(block=True)
+
+
+def pending_launches() -> int:
+    """Deferred data launches not started yet (tests)."""
+    return len(_deferred)
+
+
+def _drain(block: bool) -> None:
+    global _flushing
+    if not _deferred and not _flushing:  # the common case, without the lock
+        return
+    with _deferred_lock:  # another thread's drain finishes first
+        if _flushing:  # re-entered from inside a launch on this thread
+            return
+        _flushing = True
+        try:
+            while _deferred and (block or _ready(_deferred[0])):
+                item = _deferred.popleft()
+                try:
+                    item.launch()
+                except Exception as e:  # a communication failure: the op's wait() raises it
+                    item.error = e
+                except BaseException as e:  # KeyboardInterrupt and the like: recorded, and passed on
+                    item.error = e
+                    raise
+                finally:
+                    item.done = True
+        finally:
+            _flushing = False
+
+
+def _ready(item: Deferred) -> bool:
+    try:
+        return bool(item.ready())
+    except Exception:  # a failed header: launch() reports it
+        return True

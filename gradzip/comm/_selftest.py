@@ -14,27 +14,36 @@ The battery covers every op of the contract: allreduce/allgather/broadcast over 
 shapes, alltoall (fp32/fp16/bf16/int64/uint8/bool/complex64, 2-D and 3-D, a first dimension of
 exactly the world size, no elements, a non-contiguous view, async overlap, and the ValueError of a
 first dimension the world size does not divide), and split (parity colours with reversed keys, a
-split of that split, and an all-ranks reversed split; inside each: allreduce, variable-size
-allgather, broadcast from sub-rank 0, alltoall, barrier; the parent's stats must grow by the
-children's bytes). :func:`self_check` verifies the alltoall and split results against values
-computed directly from the rank-dependent inputs, independently of ``sim``.
+split of that split, and an all-ranks reversed split; inside each: allreduce, variable-size and
+``same_shape`` allgather, broadcast from sub-rank 0, alltoall, barrier; the parent's stats must
+grow by the children's bytes), and ``allgather(same_shape=True)`` (many dtypes and shapes; that it
+launches exactly one collective and no header exchange, counted at the backend's library calls
+by :func:`count_collectives`; that neither allgather form blocks at launch while a peer is late;
+waits in a different order on different ranks, across communicators, without deadlock; a mix of
+outstanding variable and same-shape allgathers). :func:`self_check` verifies the alltoall, split
+and same-shape results against values computed directly from the rank-dependent inputs,
+independently of ``sim``.
 
 The optional failure phase (``--fail``) runs after the battery, with ``--fail-timeout`` seconds:
 ``die:R`` — rank R exits with code 1 before an allreduce; ``stall:R`` — rank R stops its
 heartbeat / ping answers and sleeps (a hung rank); ``behind:R`` — rank R stays responsive but
 sleeps instead of joining. The other ranks record the CommError they get, then exit with code 3.
 With ``--fail-on split`` the allreduce runs on a reversed all-ranks split instead of the world
-(the error must then name global ranks).
+(the error must then name global ranks); ``--fail-op`` makes the failing collective a
+variable-size (``allgather``) or a ``same_shape`` allgather (``allgather_same``) instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,6 +68,16 @@ ALLTOALL_CASES: dict[str, tuple[torch.dtype, Any]] = {
     "empty": (torch.float32, lambda n: (0,)),  # no elements: 0 is a multiple of every world size
     "empty_rows": (torch.uint8, lambda n: (2 * n, 0)),
 }
+# allgather(same_shape=True) cases: name -> (dtype, shape), the same on every rank.
+SAME_SHAPE_CASES: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+    **{str(dt): (dt, (3, 5)) for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
+                                        torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64)},
+    "f32_3d": (torch.float32, (2, 3, 4)),
+    "scalar": (torch.int64, ()),
+    "empty": (torch.float32, (0, 4)),
+    "one": (torch.uint8, (1,)),
+}
+LATE_S = 1.5  # how late rank 0 comes to the non-blocking launch check
 
 
 def _make(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> Tensor:
@@ -94,14 +113,128 @@ def _split_members(n: int, colour_of, key_of) -> dict[int, list[int]]:
     return groups
 
 
+def same_shape_input(dtype: torch.dtype, shape: tuple[int, ...], rank: int) -> Tensor:
+    """Rank ``rank``'s input to the same-shape allgather case of ``dtype`` and ``shape``."""
+    return alltoall_input(dtype, shape, rank, 5)
+
+
+class CollectiveCount:
+    """What :func:`count_collectives` saw: ``data`` collectives and ``header`` exchanges launched."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self._comm = comm
+        self._start = comm._seq if comm.backend == "sim" else 0  # type: ignore[attr-defined]
+        self._data = self.header = 0
+
+    @property
+    def data(self) -> int:
+        if self._comm.backend == "sim":  # sim has no header exchange: its ops are its collectives
+            return self._comm._seq - self._start  # type: ignore[attr-defined]
+        return self._data
+
+
+@contextlib.contextmanager
+def count_collectives(comm: Communicator) -> Iterator[CollectiveCount]:
+    """Count the collectives ``comm`` launches inside the block, at the library: ``torch`` wraps
+    torch.distributed's collectives (by group: ``comm.group`` is data, the Gloo side group header);
+    ``mpi`` wraps the data and header communicators (every nonblocking ``I...`` call); ``sim`` counts
+    its ops (no headers)."""
+    count = CollectiveCount(comm)
+    if comm.backend == "torch":
+        import torch.distributed as dist
+
+        names = ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce", "broadcast",
+                 "all_to_all_single", "all_to_all", "barrier")
+        originals = {k: getattr(dist, k) for k in names if hasattr(dist, k)}
+        depth = threading.local()
+
+        def counting(fn: Any) -> Any:
+            sig = inspect.signature(fn)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if not getattr(depth, "n", 0):  # not a call one of these makes inside another
+                    group = sig.bind(*args, **kwargs).arguments.get("group")
+                    if group is comm._side:  # type: ignore[attr-defined]
+                        count.header += 1
+                    elif group is comm.group:  # type: ignore[attr-defined]
+                        count._data += 1
+                depth.n = getattr(depth, "n", 0) + 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    depth.n -= 1
+
+            return call
+
+        for k, fn in originals.items():
+            setattr(dist, k, counting(fn))
+        try:
+            yield count
+        finally:
+            for k, fn in originals.items():
+                setattr(dist, k, fn)
+    elif comm.backend == "mpi":
+        data, meta = comm._data, comm._meta  # type: ignore[attr-defined]
+        comm._data = _CountingComm(data, lambda: setattr(count, "_data", count._data + 1))  # type: ignore[attr-defined]
+        comm._meta = _CountingComm(meta, lambda: setattr(count, "header", count.header + 1))  # type: ignore[attr-defined]
+        try:
+            yield count
+        finally:
+            comm._data, comm._meta = data, meta  # type: ignore[attr-defined]
+    elif comm.backend == "sim":
+        yield count
+    else:
+        raise ValueError(f"count_collectives: unknown backend {comm.backend!r}")
+
+
+class _CountingComm:
+    """An mpi4py communicator whose nonblocking calls (``Iallgather``, ``Iallreduce``...) are counted."""
+
+    def __init__(self, inner: Any, tick: Any) -> None:
+        self._inner, self._tick = inner, tick
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not (name.startswith("I") and callable(attr)):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._tick()
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _launch_checks(comm: Communicator, g_rank: int, out: dict[str, Tensor], prefix: str) -> None:
+    """On ``comm`` (world size > 1): a same-shape allgather launches one data collective and no
+    header; a variable one launches only its header at issue (its data is deferred; ``sim``: one
+    op), then one data collective."""
+    real = comm.backend != "sim"
+    with count_collectives(comm) as c:
+        got = comm.allgather(same_shape_input(torch.float32, (4, 3), g_rank), same_shape=True)
+    out[f"{prefix}/same_calls"] = torch.tensor([c.data, c.header], dtype=torch.int64)  # want [1, 0]
+    out[f"{prefix}/same_result"] = torch.stack(got)
+    with count_collectives(comm) as c:
+        h = comm.allgather_async(torch.arange(g_rank + 2, dtype=torch.int16))
+        at_issue = (c.data, c.header)
+        got = h.wait()
+    ok = at_issue == ((0, 1) if real else (1, 0)) and (c.data, c.header) == ((1, 1) if real else (1, 0))
+    out[f"{prefix}/var_calls_ok"] = torch.tensor(ok)  # the probe sees headers, and the launch is deferred
+    for k, x in enumerate(got):
+        out[f"{prefix}/var_result/{k}"] = x
+
+
 def _sub_battery(sub: Communicator, g_rank: int, tag: int, out: dict[str, Tensor], prefix: str) -> None:
-    """allreduce, a variable-size allgather, a broadcast, an alltoall and a barrier inside a
-    sub-communicator; inputs are functions of the *global* rank, so results are checkable."""
+    """allreduce, a variable-size and a same-shape allgather, a broadcast, an alltoall and a
+    barrier inside a sub-communicator; inputs are functions of the *global* rank, so results are
+    checkable."""
     n = sub.world_size
     out[f"{prefix}/rank"] = torch.tensor([sub.rank, n], dtype=torch.int64)
     out[f"{prefix}/allreduce"] = sub.allreduce(torch.full((5,), float(g_rank + 1)), "sum")
     for k, x in enumerate(sub.allgather(torch.arange(g_rank + 1, dtype=torch.int32) + 100 * g_rank)):
         out[f"{prefix}/allgather/{k}"] = x
+    for k, x in enumerate(sub.allgather(torch.full((3, 2), g_rank + 0.5).bfloat16(), same_shape=True)):
+        out[f"{prefix}/allgather_same/{k}"] = x
     out[f"{prefix}/broadcast"] = sub.broadcast(torch.full((7,), float(g_rank)).bfloat16(), src=0)
     out[f"{prefix}/alltoall"] = sub.alltoall(alltoall_input(torch.int64, (2 * n, 3), g_rank, tag))
     sub.barrier()
@@ -133,6 +266,12 @@ def run_battery(comm: Communicator) -> dict[str, Tensor]:
     for name, t in cases.items():
         for k, x in enumerate(comm.allgather(t)):
             out[f"allgather/{name}/{k}"] = x
+    for name, (dt, shape) in SAME_SHAPE_CASES.items():
+        for k, x in enumerate(comm.allgather(same_shape_input(dt, shape, r), same_shape=True)):
+            out[f"same/{name}/{k}"] = x
+    x = torch.arange(24, dtype=torch.float64).reshape(4, 6)[:, ::2] * (r + 1)  # a non-contiguous view
+    for k, y in enumerate(comm.allgather(x, same_shape=True)):
+        out[f"same/noncontiguous/{k}"] = y
     t = torch.randn(33, generator=g) + r
     out["broadcast/f32"] = comm.broadcast(t, src=n - 1)
     out["broadcast/u8"] = comm.broadcast(torch.randint(0, 256, (17,), generator=g, dtype=torch.uint8), src=0)
@@ -170,6 +309,7 @@ def run_battery(comm: Communicator) -> dict[str, Tensor]:
     grew = comm.stats.since(snap)
     out["split/stats_delta"] = torch.tensor([grew["calls"], grew["bytes_sent"], grew["bytes_recv"]],
                                             dtype=torch.int64)
+    _allgather_launches(comm, rev, out)
     for c in (subsub, sub):  # rev is left to comm.close(); the parent must keep working without them
         c.close()
         c.close()  # idempotent
@@ -177,6 +317,49 @@ def run_battery(comm: Communicator) -> dict[str, Tensor]:
     for op, tot in sorted(comm.stats.by_op.items()):
         out[f"stats/{op}"] = torch.tensor([tot.calls, tot.bytes_sent, tot.bytes_recv], dtype=torch.int64)
     return out
+
+
+def _allgather_launches(comm: Communicator, rev: Communicator, out: dict[str, Tensor]) -> None:
+    """Launch-time properties of both allgather forms (``rev``: every rank, reversed)."""
+    r, n = comm.rank, comm.world_size
+    if n > 1:
+        _launch_checks(comm, r, out, "launch/world")
+        _launch_checks(rev, r, out, "launch/split")
+    # Neither form blocks at launch while rank 0 is late (a header round trip would wait for it).
+    comm.barrier()
+    if r == 0:
+        time.sleep(LATE_S)
+    t0 = time.perf_counter()
+    hs = [comm.allgather_async(torch.full((3,), float(r)), same_shape=True),
+          comm.allgather_async(torch.full((r + 1,), float(r))), comm.allgather_async(torch.ones(2 * r, 2))]
+    issued = time.perf_counter() - t0
+    res = [h.wait() for h in hs]
+    out["launch/nonblocking"] = torch.tensor(r == 0 or issued < LATE_S / 2)
+    out["launch/nonblocking_result"] = torch.cat([torch.cat([x.reshape(-1) for x in xs]) for xs in res])
+    # The same issue order, waits in different orders: even ranks wait the allgather first, odd ones
+    # an allreduce issued after it first (which needs the even ranks to have issued it), on the same
+    # communicator (its data must still go first) and on another one.
+    for name, other in (("same", comm), ("other", rev)):
+        g, x = torch.arange(r + 2, dtype=torch.int64) * 3, torch.full((4,), float(r + 1))
+        hg = comm.allgather_async(g)
+        if r % 2 == 0:
+            got_g = hg.wait()
+            got_x = other.allreduce(x, "sum")
+        else:
+            got_x = other.allreduce_async(x, "sum").wait()
+            got_g = hg.wait()
+        out[f"launch/wait_order/{name}"] = torch.cat([got_x.long(), *got_g])
+    # Several outstanding variable and same-shape allgathers, an allreduce among them, waited in reverse.
+    mix = [comm.allgather_async(torch.full((r + 1, 2), r, dtype=torch.uint8)),
+           comm.allgather_async(torch.full((2, 2), float(r)).half(), same_shape=True),
+           comm.allgather_async(torch.full((2 * r + 1,), r, dtype=torch.int32)),
+           comm.allreduce_async(torch.full((8,), float(r)), "sum"),
+           comm.allgather_async(torch.full((r,), r == 1)),
+           comm.allgather_async(torch.full((5,), r, dtype=torch.int64), same_shape=True)]
+    res = [h.wait() for h in reversed(mix)][::-1]
+    for i, got in enumerate(res):
+        for k, t in enumerate([got] if isinstance(got, Tensor) else got):
+            out[f"launch/mix/{i}/{k}"] = t
 
 
 def _bad_alltoall(comm: Communicator, shape: tuple[int, ...]) -> bool:
@@ -210,6 +393,35 @@ def self_check(got: dict[str, Tensor], rank: int, n: int) -> list[str]:
     want("alltoall/async", expected_alltoall([alltoall_input(torch.uint8, (n, 9), i, 1) for i in range(n)], rank))
     want("alltoall/async_ar", torch.full((64,), float(sum(range(n)))))
     want("alltoall/bad_input", torch.tensor([True, True]))
+    for name, (dt, shape) in SAME_SHAPE_CASES.items():
+        for k in range(n):
+            want(f"same/{name}/{k}", same_shape_input(dt, shape, k))
+    for k in range(n):
+        want(f"same/noncontiguous/{k}", torch.arange(24, dtype=torch.float64).reshape(4, 6)[:, ::2] * (k + 1))
+    rev_members = _split_members(n, lambda i: 0, lambda i: n - i)[0]
+    for prefix, members in (("launch/world", list(range(n))), ("launch/split", rev_members)) if n > 1 else ():
+        want(f"{prefix}/same_calls", torch.tensor([1, 0], dtype=torch.int64))  # one collective, no header
+        want(f"{prefix}/same_result", torch.stack([same_shape_input(torch.float32, (4, 3), i) for i in members]))
+        want(f"{prefix}/var_calls_ok", torch.tensor(True))
+        for k, i in enumerate(members):
+            want(f"{prefix}/var_result/{k}", torch.arange(i + 2, dtype=torch.int16))
+    want("launch/nonblocking", torch.tensor(True))
+    want("launch/nonblocking_result", torch.cat(
+        [torch.cat([torch.full((3,), float(i)) for i in range(n)]), torch.cat([torch.full((i + 1,), float(i))
+                                                                              for i in range(n)]),
+         torch.cat([torch.ones(2 * i * 2) for i in range(n)])]))
+    for name in ("same", "other"):
+        want(f"launch/wait_order/{name}", torch.cat([torch.full((4,), sum(i + 1 for i in range(n)), dtype=torch.int64),
+                                                     *[torch.arange(i + 2, dtype=torch.int64) * 3 for i in range(n)]]))
+    mix = [lambda i: torch.full((i + 1, 2), i, dtype=torch.uint8), lambda i: torch.full((2, 2), float(i)).half(),
+           lambda i: torch.full((2 * i + 1,), i, dtype=torch.int32), None, lambda i: torch.full((i,), i == 1),
+           lambda i: torch.full((5,), i, dtype=torch.int64)]
+    for j, make in enumerate(mix):
+        if make is None:
+            want(f"launch/mix/{j}/0", torch.full((8,), float(sum(range(n)))))
+        else:
+            for k in range(n):
+                want(f"launch/mix/{j}/{k}", make(k))
     want("split/shared_stats", torch.tensor(True))
     groups = [(_split_members(n, lambda i: i % 2, lambda i: -i)[rank % 2], 2, "split")]
     groups.append((list(reversed(groups[0][0])), 3, "split/split"))
@@ -221,6 +433,7 @@ def self_check(got: dict[str, Tensor], rank: int, n: int) -> list[str]:
         want(f"{prefix}/allreduce", torch.full((5,), float(sum(i + 1 for i in members))))
         for k, i in enumerate(members):
             want(f"{prefix}/allgather/{k}", torch.arange(i + 1, dtype=torch.int32) + 100 * i)
+            want(f"{prefix}/allgather_same/{k}", torch.full((3, 2), i + 0.5).bfloat16())
         want(f"{prefix}/broadcast", torch.full((7,), float(members[0])).bfloat16())
         ins = [alltoall_input(torch.int64, (2 * m, 3), i, tag) for i in members]
         want(f"{prefix}/alltoall", expected_alltoall(ins, me))
@@ -230,11 +443,12 @@ def self_check(got: dict[str, Tensor], rank: int, n: int) -> list[str]:
         s_sent, s_recv = cost.allgather_bytes([16] * ps, prev)
         ar = cost.allreduce_bytes(5 * 4, m)
         ag_sent, ag_recv = cost.allgather_bytes([4 * (i + 1) for i in members], me)
+        same_sent, same_recv = cost.allgather_bytes([3 * 2 * 2] * m, me)  # equal sizes, as a variable one
         bc_sent, bc_recv = cost.broadcast_bytes(7 * 2, m, me, 0)
         a2a = cost.alltoall_bytes(2 * m * 3 * 8, m)
-        calls += 6
-        sent += s_sent + ar + ag_sent + bc_sent + a2a
-        recv += s_recv + ar + ag_recv + bc_recv + a2a
+        calls += 7
+        sent += s_sent + ar + ag_sent + same_sent + bc_sent + a2a
+        recv += s_recv + ar + ag_recv + same_recv + bc_recv + a2a
     want("split/stats_delta", torch.tensor([calls, sent, recv], dtype=torch.int64))
     return problems
 
@@ -284,9 +498,11 @@ def compare(got: dict[str, Tensor], want: dict[str, Tensor]) -> list[str]:
     return problems
 
 
-def _failure_phase(comm: Communicator, spec: str, fail_timeout: float, on: str = "world") -> dict[str, Any] | None:
-    """``on="split"``: the failing allreduce runs on ``comm.split(0, key=-rank)`` (every rank,
-    in reverse order), after one barrier there, so that the diagnosis must name global ranks."""
+def _failure_phase(comm: Communicator, spec: str, fail_timeout: float, on: str = "world",
+                   op: str = "allreduce") -> dict[str, Any] | None:
+    """``on="split"``: the failing collective runs on ``comm.split(0, key=-rank)`` (every rank,
+    in reverse order), after one barrier there, so that the diagnosis must name global ranks.
+    ``op``: ``allreduce``, ``allgather`` (variable size) or ``allgather_same`` (``same_shape=True``)."""
     roles = dict(item.split(":") for item in spec.split(","))
     me = {kind for kind, who in roles.items() if int(who) == comm.rank}
     comm.barrier()
@@ -309,7 +525,10 @@ def _failure_phase(comm: Communicator, spec: str, fail_timeout: float, on: str =
         os._exit(0)
     t0 = time.monotonic()
     try:
-        comms[-1].allreduce(torch.ones(1 << 12), "sum")
+        if op == "allreduce":
+            comms[-1].allreduce(torch.ones(1 << 12), "sum")
+        else:
+            comms[-1].allgather(torch.ones((1 << 12) + (op == "allgather") * comm.rank), same_shape=op != "allgather")
     except Exception as e:
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0,
                 "is_comm_error": isinstance(e, CommError)}
@@ -326,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-timeout", type=float, default=5.0)
     p.add_argument("--fail-on", default="world", choices=["world", "split"],
                    help="run the failing collective on the world or on a reversed split of it")
+    p.add_argument("--fail-op", default="allreduce", choices=["allreduce", "allgather", "allgather_same"],
+                   help="the failing collective (allgather: variable size; allgather_same: same_shape=True)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     comm = init_communicator(args.backend, timeout=args.timeout)
@@ -343,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(results, tmp)
         os.replace(tmp, os.path.join(args.out, f"rank{comm.rank}.pt"))
     if args.fail:
-        report = _failure_phase(comm, args.fail, args.fail_timeout, args.fail_on)
+        report = _failure_phase(comm, args.fail, args.fail_timeout, args.fail_on, args.fail_op)
         if args.out and report is not None:
             with open(os.path.join(args.out, f"rank{comm.rank}.json"), "w") as f:
                 json.dump(report, f)

@@ -9,9 +9,19 @@ Contract (every backend):
 - ``allreduce_async(t, op)`` reduces ``t`` **in place** over ranks (``op`` is ``"sum"`` or
   ``"mean"``); ``wait()`` returns ``t``. Any dtype the backend can add (fp32, fp16, bf16, fp64,
   int32, int64).
-- ``allgather_async(t)``: every rank may pass a tensor of a different shape (same dtype);
-  ``wait()`` returns the list of the ranks' tensors, indexed by rank, shapes preserved. Any dtype,
-  including packed ``uint8`` bits.
+- ``allgather_async(t, same_shape=False)``: every rank may pass a tensor of a different shape
+  (same dtype); ``wait()`` returns the list of the ranks' tensors, indexed by rank, shapes
+  preserved. Any dtype, including packed ``uint8`` bits. The real backends first exchange a small
+  header (shapes) on a side channel, launched async, and launch the data collective once it is
+  back: at the next launch that finds it back, and at the latest before this process launches a
+  later data collective (which may then wait for the header) or blocks in any ``wait()``. So the
+  launch itself never blocks, and data collectives start in issue order.
+  ``same_shape=True``: the caller promises that every rank passes the same shape and dtype; no
+  header is exchanged and the data collective is launched at once. Results and bytes counted are
+  those of the variable form. ``sim`` checks the promise: ``wait()`` raises a
+  :class:`gradzip.errors.CommError` naming the ranks that broke it, on every rank; the real
+  backends trust it (a broken promise gives wrong results or an error there). Every rank passes
+  the same ``same_shape``.
 - ``broadcast_async(t, src)`` overwrites ``t`` in place with ``src``'s tensor.
 - ``alltoall_async(t)``: ``t``'s first dimension (size a multiple of ``world_size``) is cut into
   ``world_size`` equal chunks; chunk ``j`` goes to rank ``j``. ``wait()`` returns a new tensor of
@@ -143,7 +153,9 @@ class Communicator(ABC):
     def allreduce_async(self, tensor: Tensor, op: ReduceOp = "sum") -> Handle: ...
 
     @abstractmethod
-    def allgather_async(self, tensor: Tensor) -> Handle: ...
+    def allgather_async(self, tensor: Tensor, same_shape: bool = False) -> Handle:
+        """Gather every rank's ``tensor``; ``same_shape=True``: every rank promises the same shape and
+        dtype, so no header is exchanged (see the contract)."""
 
     @abstractmethod
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle: ...
@@ -164,8 +176,8 @@ class Communicator(ABC):
     def allreduce(self, tensor: Tensor, op: ReduceOp = "sum") -> Tensor:
         return self.allreduce_async(tensor, op).wait()
 
-    def allgather(self, tensor: Tensor) -> list[Tensor]:
-        return self.allgather_async(tensor).wait()
+    def allgather(self, tensor: Tensor, same_shape: bool = False) -> list[Tensor]:
+        return self.allgather_async(tensor, same_shape).wait()
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
         return self.broadcast_async(tensor, src).wait()

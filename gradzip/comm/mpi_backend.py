@@ -18,10 +18,16 @@ Data path:
   ``GRADZIP_MPI_CUDA_AWARE=0|1``), after synchronising the current stream. Otherwise — and always
   for fp16/bf16 allreduce, whose user-defined op runs on the host — they are staged through pinned
   host memory.
+- allgather with ``same_shape=True``: one ``Iallgather`` of the raw bytes into an ``(n, numel)``
+  buffer, launched at once, staged like the rest (a CUDA tensor goes directly to a CUDA-aware
+  MPI, else through pinned host memory); no header. No elements, or a world of one: copied locally.
 - Variable-size allgather: ``Iallgather`` of a fixed-size header (collective number, dtype, shape)
-  on a separate communicator, then ``Iallgatherv`` of the bytes. The header exchange is the one
-  blocking step of the launch; it also catches ranks that are at different collectives or pass
-  different dtypes.
+  on a separate communicator, launched at once, then ``Iallgatherv`` of the bytes, deferred until
+  the header is back in the process-wide FIFO of :mod:`gradzip.comm._common` (launched at the next
+  issue that finds the header back, before any later launch on the data communicator, or before
+  any wait blocks), so the launch never blocks and data collectives start in issue order. The
+  header also catches ranks that are at different collectives or pass different dtypes. A CUDA
+  payload is staged on the stream that was current at issue.
 - alltoall: ``Ialltoall`` of the tensor's bytes (``MPI.BYTE``, n equal blocks) into a new tensor,
   staged like allgather (CUDA tensors go directly to a CUDA-aware MPI, else through pinned host
   memory, and the result comes back to the tensor's device). Shapes are not exchanged: every rank
@@ -58,6 +64,7 @@ seconds are measured launch → end of ``wait()``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import math
 import os
@@ -76,9 +83,13 @@ from gradzip.comm._common import (
     TimedHandle,
     as_contiguous,
     decode_headers,
+    defer_launch,
     describe,
+    drop_launches,
     encode_header,
+    flush_launches,
     mean_inplace,
+    progress_launches,
     raise_mismatch,
 )
 from gradzip.comm.base import (
@@ -286,7 +297,11 @@ class MPICommunicator(Communicator):
             raise CommTimeout(f"{desc} timed out after {self.timeout:g} s on {self._where()}: {diag}")
         raise CommError(f"{desc} failed on {self._where()}: {diag} [mpi: {err}]") from err
 
-    def _wait_req(self, req: Any, seq: int, desc: str) -> None:
+    def _wait_req(self, req: Any, seq: int, desc: str, flush: bool = True) -> None:
+        """Wait for ``req`` up to the timeout; ``flush``: first launch every deferred data collective
+        (a rank never blocks with one unlaunched; header waits need not)."""
+        if flush:
+            flush_launches()
         self._waiting = seq
         start = time.monotonic()
         deadline = start + self.timeout
@@ -366,6 +381,7 @@ class MPICommunicator(Communicator):
             spec, mpi_op = [self._buf(flat), self._types[dt]], MPI.SUM
         else:
             raise ValueError(f"mpi allreduce: unsupported dtype {dt}")
+        flush_launches()  # deferred allgather data first: the data communicator sees issue order
         req = self._data.Iallreduce(MPI.IN_PLACE, spec, mpi_op)
 
         def after() -> Tensor:
@@ -378,39 +394,84 @@ class MPICommunicator(Communicator):
         s = cost.allreduce_bytes(nbytes(tensor), self.world_size)
         return self._handle("allreduce", s, s, req, seq, desc, t0, after)
 
-    def allgather_async(self, tensor: Tensor) -> Handle:
-        MPI = self.MPI
+    def allgather_async(self, tensor: Tensor, same_shape: bool = False) -> Handle:
+        """See the contract and the module docstring: ``same_shape=True`` launches the data at once
+        (no header); otherwise the header goes first and the data launch is deferred."""
         t0 = time.perf_counter()
         seq = self._next()
-        desc = describe("allgather", seq, tensor)
-        n = self.world_size
-        header = encode_header(tensor, seq).numpy()
-        headers = np.empty((n, HEADER_LEN), dtype=np.int64)
-        self._wait_req(self._meta.Iallgather(header, headers), seq, desc + " size exchange")
-        try:
-            dtype, shapes = decode_headers(torch.from_numpy(headers), desc, self.rank)
-        except CommError as e:
-            if self._global is None:
-                raise
-            raise CommError(f"{e} (ranks of the sub-communicator of global ranks {self._global})") from None
-        esize = tensor.element_size()
-        sizes = [math.prod(s) * esize for s in shapes]
-        displs = [0]
-        for s in sizes[:-1]:
-            displs.append(displs[-1] + s)
-        sent, recv = cost.allgather_bytes(sizes, self.rank)
+        if same_shape:
+            return self._allgather_same(tensor, seq, describe("allgather", seq, tensor, "same shape"), t0)
+        return self._allgather_var(tensor, seq, describe("allgather", seq, tensor), t0)
+
+    def _allgather_same(self, tensor: Tensor, seq: int, desc: str, t0: float) -> Handle:
+        n, shape = self.world_size, tensor.shape
+        sent, recv = cost.allgather_bytes([nbytes(tensor)] * n, self.rank)
+        if n == 1 or tensor.numel() == 0:  # nothing to exchange: every rank knows every shape
+            out = torch.empty((n, tensor.numel()), dtype=tensor.dtype, device=tensor.device)
+            out[0].copy_(tensor.reshape(-1))
+            return TimedHandle(self, "allgather", sent, recv, lambda: [r.view(shape) for r in out], t0, lambda: True)
         src, _ = self._staged(tensor)
-        on_device = src.is_cuda
-        out = torch.empty(sum(sizes), dtype=torch.uint8, device=src.device,
-                          pin_memory=tensor.is_cuda and not on_device)
-        send = self._buf(src.reshape(-1).view(torch.uint8))
-        req = self._data.Iallgatherv([send, MPI.BYTE], [self._buf(out), (sizes, displs), MPI.BYTE])
+        out = torch.empty((n, tensor.numel()), dtype=tensor.dtype, device=src.device,
+                          pin_memory=tensor.is_cuda and not src.is_cuda)
+        send = self._buf(src.reshape(-1).view(torch.uint8))  # raw bytes: any dtype
+        flush_launches()  # deferred allgather data first: the data communicator sees issue order
+        req = self._data.Iallgather([send, self.MPI.BYTE], [self._buf(out.view(-1).view(torch.uint8)), self.MPI.BYTE])
 
         def after() -> list[Tensor]:
             full = out.to(tensor.device) if out.device != tensor.device else out
-            return [full[d:d + s].view(dtype).view(shape) for d, s, shape in zip(displs, sizes, shapes)]
+            return [r.view(shape) for r in full]
 
         return self._handle("allgather", sent, recv, req, seq, desc, t0, after)
+
+    def _allgather_var(self, tensor: Tensor, seq: int, desc: str, t0: float) -> Handle:
+        MPI, n, hdesc = self.MPI, self.world_size, desc + " size exchange"
+        progress_launches()
+        header, headers = encode_header(tensor, seq).numpy(), np.empty((n, HEADER_LEN), dtype=np.int64)
+        hreq = self._meta.Iallgather(header, headers)
+        self._inflight += 1  # the progress thread polls fast while it travels
+        stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+        got: dict[str, Any] = {}  # "req" (the data collective), "after" (() -> the results)
+
+        def launch() -> None:  # from the FIFO, in issue order
+            try:
+                self._wait_req(hreq, seq, hdesc, flush=False)
+            finally:
+                self._inflight -= 1
+            dtype, shapes = decode_headers(torch.from_numpy(headers), desc, self.rank, self._global)
+            sizes = [math.prod(s) * tensor.element_size() for s in shapes]
+            displs = [sum(sizes[:r]) for r in range(n)]
+            handle.account(*cost.allgather_bytes(sizes, self.rank))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                src, _ = self._staged(tensor)
+                out = torch.empty(sum(sizes), dtype=torch.uint8, device=src.device,
+                                  pin_memory=tensor.is_cuda and not src.is_cuda)
+                send = self._buf(src.reshape(-1).view(torch.uint8))
+                got["req"] = self._data.Iallgatherv([send, MPI.BYTE], [self._buf(out), (sizes, displs), MPI.BYTE])
+            self._inflight += 1
+
+            def after() -> list[Tensor]:
+                full = out.to(tensor.device) if out.device != tensor.device else out
+                return [full[d:d + s].view(dtype).view(shape) for d, s, shape in zip(displs, sizes, shapes)]
+
+            got["after"] = after
+
+        def finish() -> list[Tensor]:
+            flush_launches()
+            if item.error is not None:
+                raise item.error
+            try:
+                self._wait_req(got["req"], seq, desc)
+            finally:
+                self._inflight -= 1
+            return got["after"]()
+
+        def poll() -> bool:
+            progress_launches()
+            return item.done and (item.error is not None or bool(got["req"].Test()))
+
+        handle = TimedHandle(self, "allgather", 0, 0, finish, t0, poll)
+        item = defer_launch(launch, lambda: bool(hreq.Test()), self)
+        return handle
 
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle:
         if not 0 <= src < self.world_size:
@@ -420,6 +481,7 @@ class MPICommunicator(Communicator):
         seq = self._next()
         desc = describe("broadcast", seq, tensor, f"from rank {src}")
         buf, write_back = self._staged(tensor)
+        flush_launches()
         req = self._data.Ibcast([self._buf(buf.reshape(-1).view(torch.uint8)), MPI.BYTE], root=src)
 
         def after() -> Tensor:
@@ -444,6 +506,7 @@ class MPICommunicator(Communicator):
         out = torch.empty(src.shape, dtype=src.dtype, device=src.device, pin_memory=tensor.is_cuda and not src.is_cuda)
         # Raw bytes in n equal blocks: any dtype, packed bits and bf16 included.
         send, recv = self._buf(src.reshape(-1).view(torch.uint8)), self._buf(out.view(-1).view(torch.uint8))
+        flush_launches()
         req = self._data.Ialltoall([send, MPI.BYTE], [recv, MPI.BYTE])
 
         def after() -> Tensor:
@@ -454,6 +517,7 @@ class MPICommunicator(Communicator):
     def barrier(self) -> None:
         t0 = time.perf_counter()
         seq = self._next()
+        flush_launches()
         self._wait_req(self._data.Ibarrier(), seq, f"barrier #{seq}")
         self.stats.record("barrier", 0, 0, time.perf_counter() - t0)
 
@@ -498,6 +562,8 @@ class MPICommunicator(Communicator):
             return
         self._closed = True
         atexit.unregister(self.close)
+        drop_launches(self, f"allgather on {self._where()}: the communicator was closed before the data "
+                            "collective was launched")
         for child in self._children:  # before our own teardown: they may still answer pings
             child.close()
         # After a failure here or below, a peer may be gone: free nothing that may wait on it.

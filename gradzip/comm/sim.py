@@ -3,7 +3,9 @@
 :class:`SimWorld` owns ``n`` :class:`SimCommunicator` endpoints. The i-th collective issued by
 every endpoint forms one operation; it completes when the last worker launches it, and its result
 is then exactly what the real collective computes (sum/mean in fp32 and cast back, allgather of
-per-rank shapes, broadcast of the root's tensor).
+per-rank shapes, broadcast of the root's tensor). ``allgather(same_shape=True)`` checks the
+caller's promise that every rank passes the same shape and dtype, which the real backends trust:
+a broken one is a CommError, from every rank's ``wait()``, naming the ranks that differ.
 
 Two ways to drive it:
 
@@ -42,15 +44,16 @@ from gradzip.units import parse_bandwidth, parse_latency
 
 
 class _Op:
-    __slots__ = ("kind", "arg", "inputs", "results", "done", "modelled_s")
+    __slots__ = ("kind", "arg", "inputs", "results", "done", "modelled_s", "error")
 
     def __init__(self, kind: str, arg: Any, n: int) -> None:
         self.kind = kind
-        self.arg = arg  # reduce op or broadcast src
+        self.arg = arg  # reduce op, broadcast src, or allgather's "same_shape=<bool>"
         self.inputs: list[Tensor | None] = [None] * n
         self.results: list[Any] = [None] * n
         self.done = False
         self.modelled_s = 0.0
+        self.error: CommError | None = None  # completed, but failed: every rank's wait() raises it
 
 
 class SimHandle(Handle):
@@ -162,6 +165,8 @@ class SimWorld:
             op.inputs[rank] = None
             if all(x is None for x in op.inputs):  # every rank has collected: free it
                 del self._ops[seq]
+            if op.error is not None:
+                raise op.error
             return result
 
     def _complete(self, seq: int, op: _Op) -> None:
@@ -186,6 +191,11 @@ class SimWorld:
                 s = cost.allreduce_bytes(size, n)
                 self.comms[r].stats.record("allreduce", s, s, op.modelled_s, intra)
         elif op.kind == "allgather":
+            op.error = _broken_same_shape(seq, ins) if op.arg == "same_shape=True" else None
+            if op.error is not None:  # nothing is gathered or counted; every rank's wait() raises
+                self._ops_done_time[seq] = 0.0
+                op.done = True
+                return
             sizes = [nbytes(t) for t in ins]
             op.modelled_s = cost.allgather_time(sizes, link)
             op.results = [[t.clone() for t in ins] for _ in range(n)]
@@ -264,6 +274,21 @@ class SimWorld:
         return [bound[r] for r in range(self.n)]
 
 
+def _broken_same_shape(seq: int, ins: list[Tensor]) -> CommError | None:
+    """The error of an ``allgather(same_shape=True)`` whose ranks passed different shapes or dtypes
+    (None: the promise holds). The ranks named are those that differ from the most common
+    (shape, dtype), ties going to the lowest rank's."""
+    kinds = [(tuple(t.shape), t.dtype) for t in ins]
+    if len(set(kinds)) == 1:
+        return None
+    common = max(kinds, key=lambda k: (kinds.count(k), -kinds.index(k)))
+    odd = [r for r, k in enumerate(kinds) if k != common]
+    each = ", ".join(f"rank {r}: {shape} {str(dt).replace('torch.', '')}" for r, (shape, dt) in enumerate(kinds))
+    return CommError(f"sim: allgather #{seq} with same_shape=True: rank(s) {odd} passed a different shape or dtype "
+                     f"than the others ({each}); every rank must pass the same shape and dtype, or use "
+                     "same_shape=False for payloads whose size differs between ranks")
+
+
 class SimCommunicator(Communicator):
     """One virtual worker's endpoint in a :class:`SimWorld`."""
 
@@ -316,8 +341,11 @@ class SimCommunicator(Communicator):
             raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'mean'")
         return self.world._launch(self.rank, "allreduce", tensor, op)
 
-    def allgather_async(self, tensor: Tensor) -> Handle:
-        return self.world._launch(self.rank, "allgather", tensor)
+    def allgather_async(self, tensor: Tensor, same_shape: bool = False) -> Handle:
+        """See the contract. ``same_shape=True`` is checked: if the ranks' shapes or dtypes differ,
+        ``wait()`` raises a CommError on every rank naming the ranks that differ. Every rank must
+        pass the same ``same_shape`` (a mismatch is an error at launch, as for any other op)."""
+        return self.world._launch(self.rank, "allgather", tensor, f"same_shape={bool(same_shape)}")
 
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle:
         if not 0 <= src < self.world_size:

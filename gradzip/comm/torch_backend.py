@@ -13,11 +13,19 @@ How each collective maps onto torch.distributed (all ``async_op=True``; ``wait()
   reduces fp32/fp64/fp16/bf16/int*/uint8 natively, so nothing is upcast: fp16/bf16 are summed in
   their own precision at every ring step (as NCCL does), which can differ from ``sim``'s fp32
   accumulation by a rounding of the payload dtype. Non-contiguous tensors go through a copy.
+- allgather with ``same_shape=True``: one ``all_gather_single`` (``all_gather_into_tensor`` before
+  torch 2.13) of the payload's bytes (a ``uint8`` view: any dtype) into an ``(n, numel)`` buffer,
+  launched async at once; no header. Results are views of its rows. No elements, or a world of
+  one: copied locally.
 - allgather of per-rank shapes: (1) a small fixed-size allgather of a header (collective number,
-  dtype, shape) on a separate Gloo group, so it never queues behind large data ops; it is the one
-  blocking step of the launch (one latency). It also checks that all ranks are at the same
-  collective with the same dtype. (2) ``all_gather`` of the flattened payloads padded to the
-  largest, launched async; ``wait()`` trims and reshapes (results are views of one buffer).
+  dtype, shape) on the separate Gloo side group (never queued behind large data ops), launched
+  async. It also checks that all ranks are at the same collective with the same dtype. (2)
+  ``all_gather`` of the flattened payloads' bytes (any dtype) padded to the largest, launched async
+  once the header is back: deferred in the process-wide FIFO of :mod:`gradzip.comm._common`
+  (launched at the next issue that finds the header back, before any later data-group launch, or
+  before any wait blocks), so data collectives are launched in issue order and the launch never
+  blocks. ``wait()`` trims and reshapes (results are views of one buffer). A CUDA payload's data
+  launch runs on the stream that was current at issue.
 - broadcast: ``broadcast`` in place. barrier: a Gloo barrier on the side group.
 - alltoall: ``all_to_all_single`` of the tensor's bytes (a ``uint8`` view, so every dtype works,
   bool and complex included; Gloo on CPU supports it in torch 2.13) into a new tensor. Shape and
@@ -56,6 +64,7 @@ of global ranks [1, 3])"); the top-level communicator's ranks are the global one
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import math
 import os
@@ -65,6 +74,7 @@ import struct
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,12 +82,17 @@ from torch import Tensor
 
 from gradzip.comm import cost
 from gradzip.comm._common import (
+    HEADER_LEN,
     TimedHandle,
     as_contiguous,
     decode_headers,
+    defer_launch,
     describe,
+    drop_launches,
     encode_header,
+    flush_launches,
     mean_inplace,
+    progress_launches,
     raise_mismatch,
 )
 from gradzip.comm._heartbeat import Heartbeat
@@ -203,14 +218,22 @@ class TorchCommunicator(Communicator):
         cls = CommTimeout if timed_out else CommError
         raise cls(f"{desc} {what} on {self._where()}: {diag}{said}") from err
 
-    def _launch(self, desc: str, seq: int, fn: Callable[[], dist.Work]) -> dist.Work:
+    def _launch(self, desc: str, seq: int, fn: Callable[[], dist.Work], flush: bool = True) -> dist.Work:
+        """Launch ``fn`` (a collective); ``flush``: first launch every deferred allgather data
+        collective, so that the groups see the collectives in issue order."""
+        if flush:
+            flush_launches()
         try:
             return fn()
         except dist.DistError as e:  # communication failures; bad arguments (ValueError etc.) pass through
             self._fail(desc, seq, e, _is_timeout(e))
             raise  # unreachable: _fail raises
 
-    def _wait_work(self, work, seq: int, desc: str) -> None:
+    def _wait_work(self, work, seq: int, desc: str, flush: bool = True) -> None:
+        """Wait for ``work`` up to the timeout; ``flush``: first launch every deferred data collective
+        (a rank never blocks with one unlaunched; header waits need not)."""
+        if flush:
+            flush_launches()
         try:
             ok = work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as e:
@@ -225,7 +248,7 @@ class TorchCommunicator(Communicator):
 
     def _gather_rows(self, desc: str, seq: int, row: Tensor) -> Tensor:
         """Blocking int64 allgather of one row per rank on the side group, in this communicator's
-        rank order (the allgather header, the split's colours)."""
+        rank order (the split's colours)."""
         rows = torch.empty(self.world_size, row.numel(), dtype=torch.int64)
         w = self._launch(desc, seq, lambda: dist.all_gather(list(rows.unbind(0)), row, self._side, async_op=True))
         self._wait_work(w, seq, desc)
@@ -253,41 +276,77 @@ class TorchCommunicator(Communicator):
         s = cost.allreduce_bytes(nbytes(tensor), self.world_size)
         return TimedHandle(self, "allreduce", s, s, finish, t0, work.is_completed)
 
-    def allgather_async(self, tensor: Tensor) -> Handle:
+    def allgather_async(self, tensor: Tensor, same_shape: bool = False) -> Handle:
+        """See the contract and the module docstring: ``same_shape=True`` launches the data at once
+        (no header); otherwise the header goes first and the data launch is deferred."""
         self._check(tensor)
         t0 = time.perf_counter()
         seq = self._next()
-        desc = describe("allgather", seq, tensor)
-        n = self.world_size
-        headers = self._gather_rows(desc + " size exchange", seq, encode_header(tensor, seq))
-        try:
-            dtype, shapes = decode_headers(headers, desc, self.rank)
-        except CommError as e:
-            if self._parent is None:
-                raise
-            raise CommError(f"{e} (ranks of the sub-communicator of global ranks {self._members})") from None
-        numels = [math.prod(s) for s in shapes]
-        sent, recv = cost.allgather_bytes([k * tensor.element_size() for k in numels], self.rank)
-        m = max(numels)
-        if m == 0:
-            empties = [torch.empty(s, dtype=dtype, device=tensor.device) for s in shapes]
-            return TimedHandle(self, "allgather", sent, recv, lambda: empties, t0)
-        flat = tensor.reshape(-1)
-        if flat.numel() == m:
-            padded = flat.contiguous()
-        else:  # pad to the largest; the tail is never read
-            padded = flat.new_empty(m)
-            padded[:flat.numel()].copy_(flat)
-        out = torch.empty((n, m), dtype=dtype, device=tensor.device)  # rows in torch's group order
-        work = self._launch(desc, seq, lambda: dist.all_gather(list(out.unbind(0)), padded, self.group,
-                                                               async_op=True))
+        if same_shape:
+            return self._allgather_same(tensor, seq, describe("allgather", seq, tensor, "same shape"), t0)
+        return self._allgather_var(tensor, seq, describe("allgather", seq, tensor), t0)
+
+    def _allgather_same(self, tensor: Tensor, seq: int, desc: str, t0: float) -> Handle:
+        n, shape = self.world_size, tensor.shape
+        sent, recv = cost.allgather_bytes([nbytes(tensor)] * n, self.rank)
+        out = torch.empty((n, tensor.numel()), dtype=tensor.dtype, device=tensor.device)  # torch's rank order
+        if n == 1 or tensor.numel() == 0:  # nothing to exchange: every rank knows every shape
+            out[0].copy_(tensor.reshape(-1))
+            return TimedHandle(self, "allgather", sent, recv, lambda: [r.view(shape) for r in out], t0, lambda: True)
+        send = tensor.reshape(-1).contiguous().view(torch.uint8)  # raw bytes: every dtype travels
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = self._launch(desc, seq, lambda: gather(out.view(-1).view(torch.uint8), send, self.group, async_op=True))
         row = self._perm or list(range(n))
 
         def finish() -> list[Tensor]:
             self._wait_work(work, seq, desc)
-            return [out[row[r], :numels[r]].view(shapes[r]) for r in range(n)]
+            return [out[row[r]].view(shape) for r in range(n)]
 
         return TimedHandle(self, "allgather", sent, recv, finish, t0, work.is_completed)
+
+    def _allgather_var(self, tensor: Tensor, seq: int, desc: str, t0: float) -> Handle:
+        n, hdesc = self.world_size, desc + " size exchange"
+        progress_launches()
+        rows, header = torch.empty(n, HEADER_LEN, dtype=torch.int64), encode_header(tensor, seq)
+        hwork = self._launch(hdesc, seq, lambda: dist.all_gather(list(rows.unbind(0)), header, self._side,
+                                                                 async_op=True), flush=False)
+        stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+        got: dict[str, Any] = {}  # "work" (the data collective), "result" (() -> the results)
+
+        def launch() -> None:  # from the FIFO, in issue order
+            self._wait_work(hwork, seq, hdesc, flush=False)
+            dtype, shapes = decode_headers(rows if self._perm is None else rows[self._perm], desc, self.rank,
+                                           None if self._parent is None else self._members)
+            numels = [math.prod(s) for s in shapes]
+            handle.account(*cost.allgather_bytes([k * tensor.element_size() for k in numels], self.rank))
+            m, row = max(numels), self._perm or list(range(n))
+            if m == 0:
+                got["result"] = lambda: [torch.empty(s, dtype=dtype, device=tensor.device) for s in shapes]
+                return
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                flat = tensor.reshape(-1)
+                padded = flat.contiguous() if flat.numel() == m else torch.cat([flat, flat.new_empty(m - flat.numel())])
+                out = torch.empty((n, m), dtype=dtype, device=tensor.device)  # rows in torch's group order
+                rows_b, padded_b = list(out.view(torch.uint8).unbind(0)), padded.view(torch.uint8)  # any dtype
+                got["work"] = self._launch(desc, seq, lambda: dist.all_gather(rows_b, padded_b, self.group,
+                                                                              async_op=True), flush=False)
+            got["result"] = lambda: [out[row[r], :numels[r]].view(shapes[r]) for r in range(n)]
+
+        def finish() -> list[Tensor]:
+            flush_launches()
+            if item.error is not None:
+                raise item.error
+            if "work" in got:
+                self._wait_work(got["work"], seq, desc)
+            return got["result"]()
+
+        def poll() -> bool:
+            progress_launches()
+            return item.done and (item.error is not None or "work" not in got or got["work"].is_completed())
+
+        handle = TimedHandle(self, "allgather", 0, 0, finish, t0, poll)
+        item = defer_launch(launch, hwork.is_completed, self)
+        return handle
 
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle:
         if not 0 <= src < self.world_size:
@@ -415,6 +474,8 @@ class TorchCommunicator(Communicator):
         self._closed = True
         if self._parent is None:
             atexit.unregister(self.close)
+        drop_launches(self, f"allgather on {self._where()}: the communicator was closed before the data "
+                            "collective was launched")
         for child in self._children:
             child.close()
         hb, self._hb = self._hb, None

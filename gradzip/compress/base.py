@@ -38,6 +38,8 @@ them; nothing outside guesses from the type or unwraps ``.inner``):
 - ``per_tensor``: the bucket arrives as per-parameter tensors (PowerSGD) instead of one flat view;
 - ``identity``: the payload is the gradient itself (``none``): small tensors then ride in the same
   buckets as large ones, and there is nothing to encode;
+- ``fixed_size``: the payload's shapes follow from the bucket's shapes and dtype alone (so they are
+  the same on every rank, and the allgather needs no size exchange: ``same_shape=True``);
 - ``rounds``, ``biased``, ``lossless``, ``default_ef``.
 
 :class:`gradzip.compress.ef.ErrorFeedback` delegates each of them to the compressor it wraps,
@@ -94,6 +96,7 @@ class Compressor(ABC):
         schemes: exchange schemes supported; defaults to ``(collective,)``.
         per_tensor: the ``*_batch`` methods want the bucket's tensors one per parameter.
         identity: the payload is the gradient itself (``none``).
+        fixed_size: payload shapes depend only on the bucket's shapes and dtype (not its values).
     """
 
     name: ClassVar[str] = ""
@@ -107,6 +110,7 @@ class Compressor(ABC):
     schemes: ClassVar[tuple[str, ...]] = ("allreduce",)
     per_tensor: ClassVar[bool] = False
     identity: ClassVar[bool] = False
+    fixed_size: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -60,6 +60,7 @@ class ErrorFeedback(BucketCompressor):
         self.schemes = inner.schemes
         self.exchange = inner.exchange
         self.per_tensor = inner.per_tensor
+        self.fixed_size = inner.fixed_size
         self.rounds = inner.rounds
         self.biased = inner.biased
         self.lossless = inner.lossless

@@ -97,7 +97,8 @@ class Exchange:
         c = self.compressor
         final = self.round == c.rounds - 1
         if c.collective == "allgather" and final:
-            self._handles = [self.comm.allgather_async(p) for p in payload]
+            # Fixed-size payloads have the same shapes on every rank: no size exchange.
+            self._handles = [self.comm.allgather_async(p, same_shape=c.fixed_size) for p in payload]
         else:
             self._handles = [self.comm.allreduce_async(p, "mean") for p in payload]
 

@@ -137,7 +137,7 @@ class SparseExchange:
         if not step.active:
             self._handle = None
         elif step.kind == "pair":
-            self._handle = c.allgather_async(pack(self.set))
+            self._handle = c.allgather_async(pack(self.set), same_shape=True)  # k entries on both
         else:  # fold: the upper rank (sub-rank 1) sends; unfold: the lower one (sub-rank 0) does
             src = 1 if step.kind == "fold" else 0
             buf = pack(self.set) if c.rank == src else torch.empty(8 * self.k, dtype=torch.uint8,

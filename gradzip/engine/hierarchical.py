@@ -167,7 +167,7 @@ class HierarchicalExchange:
                 self._bcast = flatten(out).to(self.wire)
                 self._handle = self.node.broadcast_async(self._bcast, 0)
             else:
-                self._handle = self.node.allgather_async(out[0].to(self.wire))
+                self._handle = self.node.allgather_async(out[0].to(self.wire), same_shape=True)  # equal shards
             self._phase, self.round = "back", 2
             return False
         got = wait_all([self._handle], self.link_s, 2)[0]  # type: ignore[list-item]

@@ -147,7 +147,7 @@ class TwoPhaseExchange:
             self._smine = payload
             self.round = 1
             self.compress_s += time.perf_counter() - t0
-            self._handle = self.comm.allgather_async(pack(payload))
+            self._handle = self.comm.allgather_async(pack(payload), same_shape=self.server.fixed_size)
             return False
         out = torch.empty(len(got) * self.chunk, dtype=self._mine_dtype, device=got[0].device)
         for i, buf in enumerate(got):  # written out at once: a decode may reuse its buffer
