@@ -346,3 +346,90 @@ def test_mpi_ranks_run_one_per_host_over_the_testbed(prefix):
     after = tb.counters(t)
     assert rc == 0
     assert all(a.tx_bytes - b.tx_bytes > 10_000 for a, b in zip(after, before))
+
+
+# ------------------------------------------------------------------------------ several ranks per host
+def test_sweep_cells_with_ranks_per_node_run_that_many_ranks_on_each_host():
+    from gradzip.errors import SpecError
+    from gradzip.experiments.spec import netem_for_cell
+
+    cell = {"backend": "gloo", "workers": 8, "ranks_per_node": 2, "bandwidth": "100mbit"}
+    assert netem_for_cell(cell)["netem"] == "4:100mbit"
+    assert netem_for_cell({**cell, "backend": "mpi", "ranks_per_node": 8})["netem"] == "1:100mbit"
+    assert netem_for_cell({**cell, "ranks_per_node": 1})["netem"] == "8:100mbit"
+    with pytest.raises(SpecError, match="workers = 8 is not a multiple of ranks_per_node = 3"):
+        netem_for_cell({**cell, "ranks_per_node": 3})
+    assert netem_for_cell({**cell, "backend": "sim"}) == {**cell, "backend": "sim"}  # sim models the bandwidth
+
+
+def test_wire_accounting_with_several_ranks_per_host():
+    """The start-up broadcast: with ranks in order (rank r on host r // K), Gloo's binomial tree and
+    a linear one cross hosts on world − K edges, a chain on hosts − 1; one rank per host: world − 1.
+    Per step: rank 0's inter-node bytes times the ranks that send the same across hosts."""
+    from gradzip.training.launch import (
+        accounted_bytes,
+        broadcast_crossings,
+        broadcast_tree,
+        inter_multiplier,
+        wire_report,
+    )
+
+    assert [broadcast_crossings(4, 2, t) for t in ("binomial", "linear", "chain")] == [2, 2, 1]
+    assert [broadcast_crossings(12, 3, t) for t in ("binomial", "linear", "chain")] == [9, 9, 3]
+    assert all(broadcast_crossings(5, 1, t) == 4 for t in ("binomial", "linear", "chain"))
+    assert (broadcast_tree("gloo", 8), broadcast_tree("mpi", 4), broadcast_tree("mpi", 8)) == \
+        ("binomial", "linear", "chain")
+    assert inter_multiplier(3) == 3
+    assert inter_multiplier(2, 2, hierarchical=True) == 4  # every rank sends its node shard across
+    assert inter_multiplier(2, 2, hierarchical=True, leader_only=True) == 2  # PowerSGD: leaders only
+    assert inter_multiplier(2, 2, exchange="allreduce") == 2  # flat ring: 2 of its 4 hops cross
+    assert inter_multiplier(2, 2, exchange="twophase") is None
+    # one rank per host: as it always was (workers · Σ bytes_sent + (workers − 1) · 4 · params)
+    assert accounted_bytes([100.0, 100.0], 1000, 3) == 3 * 200 + 2 * 4000
+    assert accounted_bytes([100.0] * 3, 1000, 2, 2, multiplier=4) == 4 * 300 + 2 * 4000
+    assert accounted_bytes([100.0], 1000, 2, 2, multiplier=None) is None
+
+    c = tb.HostCounters
+    before = [c(0, 0, 0, 0, 0), c(0, 0, 0, 0, 0)]
+    after = [c(9_000, 10, 0, 9_500, 0), c(3_000, 5, 0, 3_100, 0)]
+    summary = {"steps": 2, "params": 1000, "bytes_per_step": 500.0, "inter_bytes_per_step": 100.0,
+               "backend": "gloo", "hierarchical": True, "compressor": "onebit:exchange=twophase",
+               "exchange": "twophase"}
+    r = wire_report(summary, before, after, ranks_per_node=2)
+    assert r["accounted_bytes"] == 4 * 2 * 100 + 2 * 4000 == 8800
+    assert r["accounted_startup_bytes"] == 8000 and r["accounted_inter_multiplier"] == 4
+    assert r["wire_overhead"] == pytest.approx(12_000 / 8800 - 1)
+    assert r["wire_bytes_per_step"] == 12_000 / (4 * 2)
+    psgd = wire_report({**summary, "compressor": "powersgd:rank=2", "exchange": "allreduce"}, before, after,
+                       ranks_per_node=2, inter_per_step=[50.0, 150.0])
+    assert psgd["accounted_bytes"] == 2 * 200 + 8000
+    flat = wire_report({**summary, "hierarchical": False}, before, after, ranks_per_node=2)
+    assert flat["accounted_bytes"] is None and flat["wire_overhead"] is None and flat["wire_bytes"] == 12_000
+    one = wire_report(summary, before, after)  # one rank per host: bytes_sent, every rank
+    assert one["accounted_bytes"] == 2 * 2 * 500 + 4000 and "accounted_startup_bytes" not in one
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_hosts_with_two_ranks_each(prefix, corpus, tmp_path):
+    """`--netem 2:50mbit --ranks-per-node 2 --hierarchical`: 4 gloo ranks, 2 in each host's
+    namespace. The hosts' interfaces carry the inter-node bytes (4 ranks x the allreduce of their
+    node shard) and the part of the start-up broadcast that crosses hosts (2 of its tree's 3 edges),
+    within 5 %; the intra-host alltoall and allgather (twice as many bytes) stay off the veth."""
+    out = tmp_path / "run"
+    env = {"GRADZIP_NETEM_PREFIX": prefix, "OMP_NUM_THREADS": "1"}
+    p = gradzip("train", "--backend", "gloo", "--netem", "2:50mbit", "--ranks-per-node", "2", "--hierarchical",
+                "--compressor", "none", "--model", "bert-tiny", "--vocab-size", "512", "--corpus", str(corpus),
+                "--seq-len", "32", "--batch-size", "4", "--steps", "3", "--eval-batches", "0", "--checkpoint-every",
+                "0", "--no-progress", "--out", str(out), env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workers"] == 4 and s["hierarchical"] is True
+    assert s["netem"]["hosts"] == 2 and s["netem"]["ranks_per_node"] == 2
+    assert s["netem"]["addresses"] == ["198.18.0.1", "198.18.0.2"]
+    assert s["accounted_bytes"] == 4 * 3 * s["inter_bytes_per_step"] + 2 * 4 * s["params"]
+    assert abs(s["wire_overhead"]) < 0.05, s
+    intra = 4 * 3 * (s["bytes_per_step"] - s["inter_bytes_per_step"])  # what the veth would add if it carried it
+    assert intra > s["accounted_bytes"] / 2 and s["wire_bytes"] < s["accounted_bytes"] + intra / 4
+    assert min(s["wire_bytes_by_host"]) > 0 and ours(prefix) == []  # both hosts sent; the run's testbed is gone

@@ -265,7 +265,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def spawn_local(backend: str, workers: int, argv: Sequence[str], env_extra: Mapping[str, str] | None = None,
                 timeout: float | None = None, bind_addrs: Sequence[str] | None = None,
                 prefix: Callable[[int], Sequence[str]] | None = None, *, module: str = "gradzip",
-                grace: float = 10.0, mpi_args: Sequence[str] = ()) -> int:
+                grace: float = 10.0, mpi_args: Sequence[str] = (),
+                rank_env: Callable[[int], Mapping[str, str]] | None = None) -> int:
     """Run ``python -m <module> <argv>`` as ``workers`` local ranks; return the exit code.
 
     - ``gloo``/``nccl``/``torch``: starts the processes itself with RANK, WORLD_SIZE, LOCAL_RANK,
@@ -285,6 +286,10 @@ def spawn_local(backend: str, workers: int, argv: Sequence[str], env_extra: Mapp
     address rank should use: Gloo binds to its interface (``GRADZIP_BIND_ADDR``), MPI is restricted
     to TCP (no shared memory, which would bypass an emulated link) on those addresses.
     ``mpi_args`` are extra mpirun arguments.
+
+    ``rank_env(rank)``: variables for that rank alone, set last (so they override the ones above,
+    e.g. LOCAL_RANK and LOCAL_WORLD_SIZE when several ranks share an emulated host). Not with
+    ``mpi``, where mpirun sets each rank's environment.
     """
     if workers < 1:
         raise GradzipError(f"--workers must be >= 1, got {workers}")
@@ -293,6 +298,8 @@ def spawn_local(backend: str, workers: int, argv: Sequence[str], env_extra: Mapp
     b = backend.lower()
     if b not in BACKENDS:
         raise GradzipError(f"spawn_local: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if rank_env is not None and b == "mpi":
+        raise GradzipError("spawn_local: rank_env does not work with backend mpi (mpirun sets each rank's environment)")
     base = dict(os.environ)
     quiet_torch_logs(base)
     base.update(env_extra or {})
@@ -312,6 +319,8 @@ def spawn_local(backend: str, workers: int, argv: Sequence[str], env_extra: Mapp
                        LOCAL_WORLD_SIZE=str(workers), MASTER_ADDR=addr, MASTER_PORT=str(port))
             if bind_addrs:
                 env["GRADZIP_BIND_ADDR"] = bind_addrs[r]
+            if rank_env is not None:
+                env.update(rank_env(r))
             cmd = [*(prefix(r) if prefix else []), sys.executable, "-m", module, *argv]
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     except BaseException:

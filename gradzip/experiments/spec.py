@@ -26,6 +26,8 @@ Format (read with the standard library's :mod:`tomllib`)::
     figures = ["loss_steps", "loss_time"]     # default: every figure the data supports
     [plot.captions]
     loss_steps = "Training loss of each compressor."
+    [plot.where]                              # optional: draw a figure from some of the cells only
+    loss_steps = { workers = 8, compressor = ["onebit", "onebit:exchange=twophase"] }
 
 Contract:
 
@@ -33,6 +35,11 @@ Contract:
   ``TrainConfig.from_dict`` when the spec is loaded, so a bad value fails before any cell runs.
 - ``out`` and ``resume`` are set by the sweep runner and may not appear in a spec (nor ``config``).
 - A key is set in one place only: ``[base]`` or one grid axis.
+- ``[plot.where]`` maps a figure name to a table of train keys, each with a value or a list of
+  values: that figure is drawn from the runs whose value of every key is the value or one of the
+  list's (the value as written in the grid, else the cell's resolved configuration; numbers compare
+  by value, ``8`` = ``8.0``; see :func:`gradzip.plots.results.matches_where`); other figures use
+  every run. Each table must match at least one cell; its caption says which runs it shows.
 - Errors are :class:`~gradzip.errors.SpecError` with one line naming the file and the key.
 - A cell's directory name is derived from its grid values only (stable across runs of the same
   spec, so a re-run finds finished cells), e.g.
@@ -53,13 +60,13 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError, SpecError
-from gradzip.plots.results import FIGURES
+from gradzip.plots.results import FIGURES, describe_where, matches_where
 from gradzip.training.config import TrainConfig
 
 MAX_NAME = 120
 TOP_KEYS = {"name", "description", "base", "grid", "target", "plot"}
 TARGET_KEYS = {"loss", "metric", "smoothing"}
-PLOT_KEYS = {"figures", "captions", "title"}
+PLOT_KEYS = {"figures", "captions", "title", "where"}
 RUNNER_KEYS = {"out", "resume"}  # set per cell by the runner
 NOT_IN_SPECS = RUNNER_KEYS | {"config"}  # `config` names a file for `gradzip train`; a spec is that file
 TARGET_METRICS = ("loss", "eval_loss")
@@ -67,10 +74,20 @@ TARGET_METRICS = ("loss", "eval_loss")
 
 def netem_for_cell(config: dict[str, Any]) -> dict[str, Any]:
     """Sweep hook: a cell with a real backend (``gloo``, ``mpi``) that sets ``bandwidth`` and no
-    ``netem`` runs in the testbed, ``netem = "<workers>:<bandwidth>"`` (the ``sim`` backend models
-    the bandwidth instead; ``latency`` stays a ``sim`` setting: netem's delay is per packet)."""
+    ``netem`` runs in the testbed, ``netem = "<hosts>:<bandwidth>"`` with hosts = ``workers``, or
+    ``workers // ranks_per_node`` when the cell sets ``ranks_per_node`` (that many ranks on each
+    emulated host; SpecError unless it divides ``workers``). The ``sim`` backend models the
+    bandwidth instead; ``latency`` stays a ``sim`` setting: netem's delay is per packet."""
     if config.get("backend") in ("gloo", "mpi") and "bandwidth" in config and not config.get("netem"):
-        return {**config, "netem": f"{config.get('workers', TrainConfig.workers)}:{config['bandwidth']}"}
+        workers = config.get("workers", TrainConfig.workers)
+        per_node = config.get("ranks_per_node")
+        hosts = workers
+        if isinstance(per_node, int) and isinstance(workers, int) and per_node >= 1:  # else: validation names it
+            if workers % per_node:
+                raise SpecError(f"workers = {workers} is not a multiple of ranks_per_node = {per_node}: a testbed "
+                                "cell runs ranks_per_node ranks on each of workers / ranks_per_node hosts")
+            hosts = workers // per_node
+        return {**config, "netem": f"{hosts}:{config['bandwidth']}"}
     return config
 
 
@@ -93,6 +110,7 @@ class PlotOptions:
     figures: list[str] | None = None  # None: every figure the data supports
     captions: dict[str, str] = field(default_factory=dict)
     title: str | None = None
+    where: dict[str, dict[str, Any]] = field(default_factory=dict)  # figure -> {key: value or [values]}
 
 
 @dataclass
@@ -324,11 +342,42 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
         if "title" in p:
             _expect(p["title"], str, "[plot] 'title'", src, "a string")
             plot.title = p["title"]
+        plot.where = _check_where(p.get("where", {}), src)
 
     validate_config(dict(base), src, "[base]")
     spec = Spec(src, name, description, dict(base), {k: list(v) for k, v in grid.items()}, target, plot)
     spec.cells = expand(spec)
+    defaults = TrainConfig()  # a key no cell sets has its default
+    for fig, where in plot.where.items():
+        if not any(matches_where(lambda k, c=c: c.config.get(k, getattr(defaults, k)), where) for c in spec.cells):
+            raise SpecError(f"{src}: [plot.where] {fig} = {{{describe_where(where)}}} matches no cell of the grid")
     return spec
+
+
+def _check_where(where: Any, src: Path) -> dict[str, dict[str, Any]]:
+    """``[plot.where]``: figure name -> non-empty table of train key -> value or non-empty list of values."""
+    _expect(where, dict, "[plot.where]", src, "a table of figure name = {key = value, ...}")
+    keys = _train_keys() - NOT_IN_SPECS
+    out: dict[str, dict[str, Any]] = {}
+    for fig, table in where.items():
+        if fig not in FIGURES:
+            raise SpecError(f"{src}: [plot.where] unknown figure {fig!r}; valid: {', '.join(FIGURES)}")
+        _expect(table, dict, f"[plot.where] {fig!r}", src, "a table of train keys, e.g. { workers = 8 }")
+        if not table:
+            raise SpecError(f"{src}: [plot.where] {fig!r} is empty; give keys to select runs, e.g. {{ workers = 8 }}, "
+                            "or remove it")
+        _check_keys(f"[plot.where] {fig!r}", table, keys, src)
+        for key, value in table.items():
+            what = f"[plot.where] {fig!r} key {key!r}"
+            if isinstance(value, list):
+                if not value:
+                    raise SpecError(f"{src}: {what} is an empty list; give at least one value")
+                for v in value:
+                    _expect(v, (str, int, float, bool), f"{what} value", src, "a string, number or boolean")
+            else:
+                _expect(value, (str, int, float, bool), what, src, "a string, number or boolean, or a list of them")
+        out[fig] = dict(table)
+    return out
 
 
 def expand(spec: Spec) -> list[Cell]:

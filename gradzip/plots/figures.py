@@ -21,7 +21,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter
 
 from gradzip.plots import style
-from gradzip.plots.results import NOT_BYTES_KEYS, Collection, Run, Target, centred_mean
+from gradzip.plots.results import NOT_BYTES_KEYS, Collection, Run, Target, centred_mean, describe_where
 
 CLOCK_TEXT = {
     "modelled": "modelled (the sim backend's virtual clock: measured computation plus communication from "
@@ -484,6 +484,14 @@ def fig_scaling(col: Collection, pal: style.Palette, target: Target | None = Non
     return fig, " ".join(caption.split())
 
 
+def _scale(name: str) -> Callable[..., Any]:
+    """A figure of :mod:`gradzip.plots.scale`, imported when first drawn (it builds on this module)."""
+    def draw(*args: Any) -> Any:
+        from gradzip.plots import scale
+        return getattr(scale, name)(*args)
+    return draw
+
+
 DRAW: dict[str, Callable[..., Any]] = {
     "loss_steps": fig_loss_steps,
     "loss_time": fig_loss_time,
@@ -492,6 +500,8 @@ DRAW: dict[str, Callable[..., Any]] = {
     "step_time": fig_step_time,
     "loss_vs_ratio": fig_loss_vs_ratio,
     "scaling": fig_scaling,
+    "bytes_workers": _scale("fig_bytes_workers"),
+    "throughput_workers": _scale("fig_throughput_workers"),
 }
 
 
@@ -504,16 +514,24 @@ class Drawn:
 
 def draw_all(col: Collection, out_dir: Path, figures: list[str] | None = None,
              captions: dict[str, str] | None = None,
-             target: Target | None = None) -> tuple[list[Drawn], list[tuple[str, str]]]:
-    """Draw the chosen figures (default: all) into ``out_dir``; returns (drawn, [(skipped, reason)])."""
+             target: Target | None = None,
+             where: dict[str, dict[str, Any]] | None = None) -> tuple[list[Drawn], list[tuple[str, str]]]:
+    """Draw the chosen figures (default: all) into ``out_dir``; returns (drawn, [(skipped, reason)]).
+
+    ``where`` (default: the sweep spec's ``[plot.where]``) draws a figure from the matching runs only.
+    """
+    where = (col.spec.get("plot") or {}).get("where") or {} if where is None else where
     pal = style.Palette()
     # Colours follow the runs' order, so `none` is black and the rest keep the spec's order.
     for r in col.runs:
         pal.color(r.compressor)
     drawn, skipped = [], []
     for name in figures or list(DRAW):
+        sub = col.select(where.get(name))
         try:
-            fig, auto = DRAW[name](col, pal, target)
+            if not sub.runs:
+                raise Skip(f"no run matches [plot.where] {describe_where(where[name])}")
+            fig, auto = DRAW[name](sub, pal, target)
         except Skip as e:
             skipped.append((name, str(e)))
             continue
@@ -522,6 +540,8 @@ def draw_all(col: Collection, out_dir: Path, figures: list[str] | None = None,
             # The spec's caption, plus the clock sentence so every time axis says what it is.
             caption = captions[name].strip()
             if name in TIME_FIGURES:
-                caption += " " + _clock_caption(col.runs)
+                caption += " " + _clock_caption(sub.runs)
+        if where.get(name):
+            caption += f" Drawn from the runs with {describe_where(where[name])} only."
         drawn.append(Drawn(name, style.save(fig, out_dir, name), caption))
     return drawn, skipped

@@ -16,6 +16,7 @@ import io
 import json
 import math
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ FIGURES: dict[str, str] = {
     "step_time": "time of a step split into compute, compression and exposed communication",
     "loss_vs_ratio": "final eval loss against compression ratio (accuracy–bandwidth trade-off)",
     "scaling": "scaling efficiency against number of workers",
+    "bytes_workers": "bytes sent per rank per step against workers, per method (log-log)",
+    "throughput_workers": "throughput (samples/s) against workers, per method",
 }
 
 # Config keys that never distinguish runs (paths, resume flags, logging cadence).
@@ -294,9 +297,51 @@ class Collection:
         first = self.runs[0]
         return {k: first.value(k) for k in first.config if k not in vary and k not in IGNORED_KEYS}
 
+    def select(self, where: dict[str, Any] | None) -> Collection:
+        """The runs that match ``where`` (see :func:`matches_where`); all of them for None or {}."""
+        if not where:
+            return self
+        return Collection(self.root, [r for r in self.runs if matches_where(r.value, where)], self.sweep)
+
 
 def _hashable(v: Any) -> Any:
     return json.dumps(v, sort_keys=True, default=str)
+
+
+# -- restricting a figure to some runs (a spec's [plot.where]) ------------------------------------
+
+def where_text(v: Any) -> str:
+    """A value as compared by :func:`matches_where`: booleans ``true``/``false``, numbers by value
+    (``8`` equals ``8.0``, ``1e-3`` equals ``0.001``), anything else as its text."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() else repr(v)
+    return str(v).strip()
+
+
+def matches_where(value_of: Callable[[str], Any], where: dict[str, Any]) -> bool:
+    """Whether a run passes ``where`` = {key: value or list of values}: for every key, the run's
+    value (``value_of(key)``: the grid text if the key is a grid value, else the resolved config)
+    equals the value, or one of the list's, compared by :func:`where_text`."""
+    for key, wanted in where.items():
+        allowed = {where_text(w) for w in (wanted if isinstance(wanted, list) else [wanted])}
+        if where_text(value_of(key)) not in allowed:
+            return False
+    return True
+
+
+def describe_where(where: dict[str, Any]) -> str:
+    """``workers=8 and compressor in {onebit, onebit:exchange=twophase}`` (for captions)."""
+    parts = []
+    for key, wanted in where.items():
+        if isinstance(wanted, list) and len(wanted) != 1:
+            parts.append(f"{key} in {{{', '.join(where_text(w) for w in wanted)}}}")
+        else:
+            parts.append(f"{key}={where_text(wanted[0] if isinstance(wanted, list) else wanted)}")
+    return " and ".join(parts)
 
 
 def load_runs(path: str | Path) -> Collection:
