@@ -67,7 +67,7 @@ from gradzip.engine.stats import StepStats
 from gradzip.errors import GradzipError
 
 _now = time.perf_counter
-INTRA_DTYPES = {"": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+INTRA_DTYPES = {"": None, "native": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -83,8 +83,8 @@ class EngineConfig:
     hierarchical: reduce inside each node, compress only across nodes
         (:mod:`gradzip.engine.hierarchical`); nodes come from the launcher, or ``SimWorld``'s
         ``ranks_per_node``.
-    intra_dtype: the intra-node wire dtype of the hierarchical exchange: ``""`` (the gradient's),
-        ``"fp16"`` or ``"bf16"``.
+    intra_dtype: the intra-node wire dtype of the hierarchical exchange: ``""`` or ``"native"``
+        (the gradient's), ``"fp16"`` or ``"bf16"``.
     """
 
     bucket_cap_mb: float = 25.0

@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--latency", "sim: per-message latency, e.g. 50us")
     flag(g, "--hierarchical", "reduce in full precision inside each node, compress only between nodes",
          show_default=False, action="store_true")
+    flag(g, "--intra-dtype", "the hierarchical exchange's wire dtype inside a node: native (the gradient's own dtype), "
+         "fp16 or bf16", choices=("native", "fp16", "bf16"))
     flag(g, "--ranks-per-node", "workers per node: sim; local processes (--workers) and --netem hosts emulate "
          "nodes of this size (default: sim 1, else from the launcher: GROUP_RANK, SLURM_NODEID, host name)",
          show_default=False, type=int)

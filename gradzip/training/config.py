@@ -68,6 +68,7 @@ class TrainConfig:
     bandwidth: str = "1gbit"
     latency: str = "50us"
     hierarchical: bool = False  # reduce inside nodes, compress only across them
+    intra_dtype: str = "native"  # hierarchical exchange, wire dtype inside a node: native (the gradient's), fp16, bf16
     ranks_per_node: int | None = None  # sim, local and testbed runs; else from the launcher
     intra_bandwidth: str = "100gbit"  # sim: the link inside a node
     intra_latency: str = "5us"
@@ -165,6 +166,9 @@ class TrainConfig:
             raise bad("vocab_size", f"must be >= 100 (or unset for the model's default), got {self.vocab_size}")
         if self.seq_len > 512:
             raise bad("seq_len", f"must be <= 512 (BERT's position embeddings), got {self.seq_len}")
+        if self.intra_dtype not in ("native", "fp16", "bf16"):
+            raise bad("intra_dtype", f"must be native (the gradient's own dtype), fp16 or bf16, got "
+                      f"{self.intra_dtype!r}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise bad("ranks_per_node", f"must be >= 1, got {self.ranks_per_node}")
         try:

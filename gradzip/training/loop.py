@@ -66,7 +66,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # -- engine, optimizer, LR schedule, precision, per-worker RNG streams ----------------
         engine = attach(model, cfg.spec, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
                         min_compress_numel=cfg.min_compress_numel, agree=cfg.agreement(),
-                        hierarchical=cfg.hierarchical)
+                        hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
         optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
         schedule = WarmupDecay(optimizer, cfg.lr, cfg.warmup_steps, cfg.steps)
         precision = Precision(cfg.precision, runtime.device)
