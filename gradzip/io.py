@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from gradzip.errors import GradzipError
+
 TEMP_SUFFIX = ".gztmp"  # the ending of atomic_write's temporary files
 
 
@@ -82,7 +84,12 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not p.is_file():
         return []
     out = []
-    for line in p.read_text(encoding="utf-8").splitlines():
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise GradzipError(f"{p} is not a JSON-lines text file (byte {e.start} is not UTF-8): it was not written "
+                           "by gradzip, or is damaged; move it away") from None
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:

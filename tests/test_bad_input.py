@@ -71,6 +71,33 @@ CASES = [
     ("netem-bad-rate", ["netem", "up", "--prefix", "badin", "--rate=-1gbit"], {}, {}, "bandwidth must be positive"),
     ("simulate-missing-flag", ["simulate"], {}, {}, "--tokens-per-second"),
     ("train-unknown-flag", ["train", "--learning-rate", "1"], {}, {}, "unrecognized arguments"),
+    ("out-under-proc", TRAIN + ["--out", "/proc/gradzip-no-such-dir/run"], {}, {}, "cannot create it"),
+    ("out-parent-is-a-file", TRAIN + ["--out", "f.txt/run"], {}, {"f.txt": "mine"}, "f.txt is not a directory"),
+    ("simulate-encode-cost-dir", SIM + ["--compressor", "topk", "--encode-cost", "d"], {}, {"d/keep.txt": "x"},
+     "--encode-cost d: cannot read it"),
+    ("simulate-encode-cost-binary", SIM + ["--compressor", "topk", "--encode-cost", "b.json"], {},
+     {"b.json": b"\x00\xff\xfe"}, "is not JSON"),
+    ("plot-binary-metrics", ["plot", "r"], {}, {"r/metrics.jsonl": b"\x00\xff\xfe", "r/summary.json": "{}"},
+     "r/metrics.jsonl is not a JSON-lines text file"),
+    ("plot-summary-not-an-object", ["plot", "r"], {}, {"r/summary.json": "[1, 2]", "r/metrics.jsonl": '{"step": 1}\n'},
+     "holds a JSON list, not the object gradzip writes"),
+    ("resume-binary-metrics", TRAIN + ["--out", "r", "--resume"], {}, {"r/metrics.jsonl": b"\x00\xff"},
+     "holds no checkpoint"),
+    ("ranks-per-node-zero", TRAIN + ["--ranks-per-node", "0"], {}, {}, "--ranks-per-node must be >= 1"),
+    ("ranks-per-node-uneven", TRAIN + ["--workers", "6", "--ranks-per-node", "4", "--hierarchical"], {}, {},
+     "--ranks-per-node 4 does not divide --workers 6"),
+    ("intra-bandwidth-garbage", TRAIN + ["--intra-bandwidth", "fast"], {}, {}, "cannot parse bandwidth 'fast'"),
+    ("intra-dtype-unknown", TRAIN + ["--intra-dtype", "int8"], {}, {}, "invalid choice: 'int8'"),
+    ("exchange-sparse-for-a-cast", TRAIN + ["--compressor", "fp16:exchange=sparse"], {}, {},
+     "fp16 does not support exchange 'sparse'"),
+    ("simulate-exchange-unknown", SIM + ["--compressor", "topk:exchange=ring"], {}, {}, "unknown exchange scheme"),
+    ("simulate-zero-nodes", SIM + ["--nodes", "0"], {}, {}, "--nodes and --gpus-per-node must be >= 1"),
+    ("corpus-empty-dir", TRAIN + ["--corpus", "d"], {}, {"d/x.bin": "not text"}, "contains no text files"),
+    ("tokenizer-is-a-dir", TRAIN + ["--corpus", "c.txt", "--tokenizer", "d"], {},
+     {"c.txt": "Some text to train on. " * 50, "d/keep.txt": "x"}, "tokenizer file d"),
+    ("config-is-a-dir", ["train", "--config", "d"], {}, {"d/keep.txt": "x"}, "cannot read config file 'd'"),
+    ("config-exchange-disagrees", ["train", "--config", "c.toml"], {},
+     {"c.toml": 'compressor = "onebit:exchange=allgather"\nexchange = "twophase"\n'}, "set the scheme in one place"),
     ("netem-bad-subnet", ["netem", "up", "--prefix", "badin", "--subnet", "192.168.0.0/24"], {}, {},
      "outside the benchmarking range"),
 ]
@@ -93,7 +120,10 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(argv, env, files, need
         monkeypatch.setenv(k, v)
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+        if isinstance(text, bytes):  # binary junk where gradzip expects text
+            (tmp_path / name).write_bytes(text)
+        else:
+            (tmp_path / name).write_text(text)
     monkeypatch.chdir(tmp_path)
     before = _hashes(tmp_path)
     try:

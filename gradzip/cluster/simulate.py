@@ -243,6 +243,9 @@ def codec_from_bench(path: str, spec: str) -> CodecCost:
                            "(write it with `gradzip bench compress --json > FILE.json`)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise GradzipError(f"--encode-cost file {path} is not JSON: {e}") from None
+    except OSError as e:  # a directory, unreadable
+        raise GradzipError(f"--encode-cost {path}: cannot read it ({e.strerror or type(e).__name__}); give the JSON "
+                           "file of `gradzip bench compress --json`") from None
     rows = data.get("results", []) if isinstance(data, dict) else data
     if not isinstance(rows, list):
         raise GradzipError(f"--encode-cost file {path}: expected a list of rows")

@@ -234,7 +234,7 @@ def centred_mean(values: list[float], half: int) -> list[float]:
 # -- loading ----------------------------------------------------------------------------------
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    return read_jsonl(path)
+    return [r for r in read_jsonl(path) if isinstance(r, dict)]
 
 
 def is_run_dir(path: Path) -> bool:
@@ -250,6 +250,9 @@ def load_run(path: Path, params: dict[str, Any] | None = None, name: str | None 
                 config = tomllib.load(f)
         if (path / "summary.json").is_file():
             summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+            if not isinstance(summary, dict):
+                raise GradzipError(f"{path / 'summary.json'} holds a JSON {type(summary).__name__}, not the object "
+                                   "gradzip writes; move it away or re-run the cell")
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise GradzipError(f"{path}: cannot read its config.toml/summary.json ({type(e).__name__}: "
                            f"{str(e).splitlines()[0]}); repair or remove that run directory") from None

@@ -171,6 +171,9 @@ class TrainConfig:
                       f"{self.intra_dtype!r}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise bad("ranks_per_node", f"must be >= 1, got {self.ranks_per_node}")
+        if self.backend == "sim" and self.ranks_per_node and self.workers % self.ranks_per_node:
+            raise bad("ranks_per_node", f"{self.ranks_per_node} does not divide --workers {self.workers}: every node "
+                      "holds the same number of workers")
         try:
             parse_bandwidth(self.bandwidth)
             parse_latency(self.latency)

@@ -76,7 +76,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         state = checkpoint.RunState(model, optimizer, schedule, precision, engine, rngs, progress, cfg.to_dict())
 
         # -- resume: everything back to the newest checkpoint; drop later metrics --------------
-        out.mkdir(parents=True, exist_ok=True)
+        checkpoint.make_out_dir(out)
         metrics_path = out / "metrics.jsonl"
         if cfg.resume and checkpoint.restore_run(out, state, runtime) and runtime.is_main:
             truncate_metrics(metrics_path, progress["step"])
