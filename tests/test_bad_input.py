@@ -12,6 +12,7 @@ import pytest
 from gradzip.cli import main
 
 SIM = ["simulate", "--tokens-per-second", "5600"]
+TEXT = "".join(f"Document {i} says a few words about training. And another sentence.\n\n" for i in range(8))
 TRAIN = ["train", "--model", "bert-tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--no-progress"]
 
 # (id, argv, environment, files to create {name: text}, a fragment of the message)
@@ -71,8 +72,10 @@ CASES = [
     ("netem-bad-rate", ["netem", "up", "--prefix", "badin", "--rate=-1gbit"], {}, {}, "bandwidth must be positive"),
     ("simulate-missing-flag", ["simulate"], {}, {}, "--tokens-per-second"),
     ("train-unknown-flag", ["train", "--learning-rate", "1"], {}, {}, "unrecognized arguments"),
-    ("out-under-proc", TRAIN + ["--out", "/proc/gradzip-no-such-dir/run"], {}, {}, "cannot create it"),
-    ("out-parent-is-a-file", TRAIN + ["--out", "f.txt/run"], {}, {"f.txt": "mine"}, "f.txt is not a directory"),
+    ("out-under-proc", TRAIN + ["--corpus", "c.txt", "--out", "/proc/gradzip-no-such-dir/run"], {},
+     {"c.txt": TEXT}, "cannot create it"),
+    ("out-parent-is-a-file", TRAIN + ["--corpus", "c.txt", "--out", "f.txt/run"], {},
+     {"c.txt": TEXT, "f.txt": "mine"}, "cannot create it (Not a directory)"),
     ("simulate-encode-cost-dir", SIM + ["--compressor", "topk", "--encode-cost", "d"], {}, {"d/keep.txt": "x"},
      "--encode-cost d: cannot read it"),
     ("simulate-encode-cost-binary", SIM + ["--compressor", "topk", "--encode-cost", "b.json"], {},
@@ -94,7 +97,7 @@ CASES = [
     ("simulate-zero-nodes", SIM + ["--nodes", "0"], {}, {}, "--nodes and --gpus-per-node must be >= 1"),
     ("corpus-empty-dir", TRAIN + ["--corpus", "d"], {}, {"d/x.bin": "not text"}, "contains no text files"),
     ("tokenizer-is-a-dir", TRAIN + ["--corpus", "c.txt", "--tokenizer", "d"], {},
-     {"c.txt": "Some text to train on. " * 50, "d/keep.txt": "x"}, "tokenizer file d"),
+     {"c.txt": TEXT, "d/keep.txt": "x"}, "tokenizer file d"),
     ("config-is-a-dir", ["train", "--config", "d"], {}, {"d/keep.txt": "x"}, "cannot read config file 'd'"),
     ("config-exchange-disagrees", ["train", "--config", "c.toml"], {},
      {"c.toml": 'compressor = "onebit:exchange=allgather"\nexchange = "twophase"\n'}, "set the scheme in one place"),

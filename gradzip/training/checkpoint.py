@@ -255,43 +255,13 @@ def make_out_dir(out: Path) -> None:
                            "choose a directory you can write to") from None
 
 
-def _check_creatable(out: Path) -> None:
-    """A missing ``--out`` must be creatable: made and removed again at once (permissions alone do
-    not tell, e.g. root under /proc), so that a bad --out fails before any work."""
-    missing = []
-    p = out
-    while not p.exists() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    if not p.is_dir():
-        raise GradzipError(f"--out {out}: {p} is not a directory; choose another --out")
-    made: list[Path] = []
-    try:
-        for d in reversed(missing):
-            try:
-                d.mkdir()
-                made.append(d)
-            except FileExistsError:  # another rank of this run got there first: creatable
-                continue
-    except OSError as e:
-        raise GradzipError(f"--out {out}: cannot create it ({e.strerror or type(e).__name__}); "
-                           "choose a directory you can write to") from None
-    finally:
-        for d in reversed(made):
-            try:
-                d.rmdir()
-            except OSError:  # another rank already uses it
-                pass
-
-
 def check_out_dir(cfg: TrainConfig) -> Path:
     """Refuse a non-empty ``--out`` unless resuming; when resuming, refuse a changed config.
-    Nothing is left created or touched here (a missing --out is made and removed, to know it can be)."""
+    Reads only: nothing is created or touched here (every rank checks; :func:`make_out_dir`
+    creates it later, with a one-line error if it cannot be)."""
     out = Path(cfg.out or "")
     if out.exists() and not out.is_dir():
         raise GradzipError(f"--out {out} exists and is not a directory; choose another --out")
-    if not out.exists():
-        _check_creatable(out)
     nonempty = out.is_dir() and any(out.iterdir())
     if nonempty and not cfg.resume:
         raise GradzipError(f"--out {out} exists and is not empty; pass --resume to continue that run, "
