@@ -170,25 +170,31 @@ def test_payload_bytes_equal_what_the_compressor_sends(name):
     assert p.compression_ratio == pytest.approx(TINY * 4 / real)
 
 
-@pytest.mark.parametrize("spec", ["none", "topk:ratio=0.01,ef=true", "onebit:exchange=twophase",
-                                  "topk:ratio=0.01,ef=true,exchange=twophase",
-                                  "topk:ratio=0.01,ef=true,exchange=sparse"])
-def test_sent_bytes_match_the_engine(spec):
-    """Bytes per rank per step equal what the engine counts on a sim world of 3 workers."""
-    from gradzip.comm.sim import SimWorld
+def engine_step(spec: str, world, hierarchical: bool = False):
+    """One engine step of bert-tiny on ``world`` (sim): its StepStats."""
     from gradzip.engine import attach
     from gradzip.models import BertForPreTraining
 
     torch.manual_seed(0)
     model = BertForPreTraining(bert_config("bert-tiny"))
-    engine = attach(model, spec, SimWorld(3, bandwidth="1gbit", latency=0))
+    engine = attach(model, spec, world, hierarchical=hierarchical)
     ids = torch.randint(5, 100, (2, 16))
     for w in engine.worker_ids:
         with engine.worker(w):
             out = model(ids, torch.zeros_like(ids), torch.ones_like(ids), labels=ids,
                         next_sentence_label=torch.zeros(2, dtype=torch.long))
             out.loss.backward()
-    stats = engine.finalize()
+    return engine.finalize()
+
+
+@pytest.mark.parametrize("spec", ["none", "topk:ratio=0.01,ef=true", "onebit:exchange=twophase",
+                                  "topk:ratio=0.01,ef=true,exchange=twophase",
+                                  "topk:ratio=0.01,ef=true,exchange=sparse"])
+def test_sent_bytes_match_the_engine(spec):
+    """Bytes per rank per step equal what the engine counts on a sim world of 3 workers."""
+    from gradzip.comm.sim import SimWorld
+
+    stats = engine_step(spec, SimWorld(3, bandwidth="1gbit", latency=0))
     p = sim.predict(spec, work(), cluster(3, 1))
     assert stats.bytes_sent == p.sent_bytes
     assert p.exchange == create(spec).exchange
@@ -268,20 +274,9 @@ def test_hierarchical_exchange_matches_the_engine_on_two_nodes_of_two(spec):
     """Bytes (all, and those crossing nodes) and link time of gradzip simulate --hierarchical equal
     the engine's on a sim world of 2 nodes x 2 workers (same links, no latency)."""
     from gradzip.comm.sim import SimWorld
-    from gradzip.engine import attach
-    from gradzip.models import BertForPreTraining
 
-    torch.manual_seed(0)
-    model = BertForPreTraining(bert_config("bert-tiny"))
     world = SimWorld(4, bandwidth=1e9, latency=0, ranks_per_node=2, intra_bandwidth=1e10, intra_latency=0)
-    engine = attach(model, spec, world, hierarchical=True)
-    ids = torch.randint(5, 100, (2, 16))
-    for w in engine.worker_ids:
-        with engine.worker(w):
-            out = model(ids, torch.zeros_like(ids), torch.ones_like(ids), labels=ids,
-                        next_sentence_label=torch.zeros(2, dtype=torch.long))
-            out.loss.backward()
-    stats = engine.finalize()
+    stats = engine_step(spec, world, hierarchical=True)
     p = sim.predict(spec, work(hierarchical=True), cluster(2, 2))
     assert p.hierarchical and stats.bytes_sent == p.sent_bytes
     assert stats.bytes_sent - stats.intra_bytes_sent == p.inter_bytes < p.sent_bytes
