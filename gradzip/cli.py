@@ -20,7 +20,7 @@ if not os.environ.get("GRADZIP_DEBUG"):
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from gradzip import __version__  # noqa: E402
-from gradzip.errors import CommError, GradzipError
+from gradzip.errors import CommError, GradzipError, TrainingError
 from gradzip.subcommands import add_subcommands
 
 # name -> (module, one-line help)
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except GradzipError as e:
         sys.stderr.write(f"gradzip {args.command}: error: {e}\n")
         return 2
+    except TrainingError as e:
+        sys.stderr.write(f"gradzip {args.command}: error: {e}\n")
+        return 1
     except CommError as e:  # a lost peer or timeout: the message names the op and the rank
         sys.stderr.write(f"gradzip {args.command}: communication error: {e}\n")
         return 1

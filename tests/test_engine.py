@@ -86,6 +86,26 @@ def sgd_step(model: nn.Module, lr: float = 0.05) -> None:
         p.add_(p.grad, alpha=-lr)
 
 
+def run_ranks(rank_main, n: int, timeout: float = 50) -> None:
+    """``rank_main(r)`` for r in range(n), one thread each (a threaded SimWorld's ranks); the
+    first exception of any rank is raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(r: int) -> None:
+        try:
+            rank_main(r)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a rank thread did not finish"
+
+
 def grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
@@ -403,34 +423,25 @@ def test_real_mode_threads_match_sim_mode(spec):
 
     world = SimWorld(2, threaded=True, timeout=30)
     out: dict[int, list] = {}
-    errors: list[BaseException] = []
 
     def rank_main(r: int) -> None:
-        try:
-            model = copy.deepcopy(base)
-            if r == 1:  # rank 0's parameters win the start-up broadcast
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(1.0)
-            engine = attach(model, spec, world[r], **kw)
-            res = []
-            for step in range(2):
-                model.zero_grad(set_to_none=True)
-                loss_of(model, data(2, step)[r]).backward()  # no worker() block: plain loop
-                st = engine.finalize()
-                assert st.clock == "modelled" and st.bytes_sent > 0
-                res.append(grads(model))
-                sgd_step(model)
-            out[r] = res
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
+        model = copy.deepcopy(base)
+        if r == 1:  # rank 0's parameters win the start-up broadcast
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        engine = attach(model, spec, world[r], **kw)
+        res = []
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            loss_of(model, data(2, step)[r]).backward()  # no worker() block: plain loop
+            st = engine.finalize()
+            assert st.clock == "modelled" and st.bytes_sent > 0
+            res.append(grads(model))
+            sgd_step(model)
+        out[r] = res
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not errors, errors
+    run_ranks(rank_main, 2)
     for r in range(2):
         for step in range(2):
             for a, b in zip(out[r][step], sim_grads[step]):

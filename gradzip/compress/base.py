@@ -181,12 +181,29 @@ class Compressor(ABC):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Everything that persists between steps. Stateless compressors return ``{}``."""
+        """Everything that persists between steps, as a snapshot that later steps do not change
+        (copies, not the live tensors). Stateless compressors return ``{}``."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"{self.name} is stateless but got state keys {sorted(state)}")
+
+    # ----------------------------------------------------------------- steps that may be undone
+    # The engine skips a step on every rank when some rank's gradient is not finite; the state
+    # updates of that step (error memory, Q, counters) must then not happen either.
+    def begin_step(self) -> None:
+        """Open a step whose state updates :meth:`end_step` may undo. Default: remember a
+        ``state_dict()`` snapshot (cheap for small states: Q, counters); error feedback instead
+        double-buffers its memory, so that neither outcome costs a copy."""
+        self._undo = self.state_dict()
+
+    def end_step(self, keep: bool) -> None:
+        """Close the step opened by :meth:`begin_step`: keep its state updates, or undo them.
+        Without an open step (a caller that never calls ``begin_step``) it does nothing."""
+        undo = self.__dict__.pop("_undo", None)
+        if not keep and undo is not None:
+            self.load_state_dict(undo)
 
     # ----------------------------------------------------------------- misc
     @property

@@ -14,6 +14,13 @@ the same mean residual over ranks, since the mean of the local Qs is the reduced
 
 The memory is kept in fp32 whatever the gradient's dtype, so that small residuals of bf16/fp16
 gradients are not rounded away; the output is cast back to the gradient's dtype.
+
+Steps that may be undone (:meth:`Compressor.begin_step`; the engine opens one per step so that a
+step with a non-finite gradient on any rank is skipped everywhere): the memory is double-buffered.
+Step 1 writes ``gradient + memory`` into a second buffer instead of into the memory (the same
+passes as in place), so keeping the step is a swap of the two and undoing it costs nothing. The
+price is a second fp32 buffer of the compressed gradients' size per worker. Callers that never
+open a step (the DDP hook) get the in-place update and a single buffer.
 Spelling: ``"topk:ratio=0.01,ef=true"``.
 """
 
@@ -36,6 +43,7 @@ class _EFCtx:
     compensated: list[Tensor] | None  # kept only until the last round for multi-round inners
     dtypes: list[torch.dtype]
     round: int = 0
+    flat: Tensor | None = None  # the buffer behind ``compensated``
 
 
 def _unalias(payload: Payload, buffers: Sequence[Tensor]) -> Payload:
@@ -53,6 +61,10 @@ class ErrorFeedback(BucketCompressor):
         self.inner = inner
         self.memory: dict[str, list[Tensor]] = {}  # per key: views of self._flat[key]
         self._flat: dict[str, Tensor] = {}
+        # An open step (begin_step): key -> (flat, views) holding this step's new memory, and
+        # spare buffers to reuse; both None outside a step.
+        self._pending: dict[str, tuple[Tensor, list[Tensor]]] | None = None
+        self._spare: dict[str, tuple[Tensor, list[Tensor]]] = {}
         # Delegate the inner compressor's declarations (the engine reads these, never .inner).
         # Not `identity`: the payload is the compensated gradient, not the gradient.
         self.name = inner.name
@@ -87,16 +99,33 @@ class ErrorFeedback(BucketCompressor):
         self.memory[key], self._flat[key] = mem, flat
         return mem
 
+    def _working(self, key: str, tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """Step 1: compensated = gradient + memory, in the buffer that will hold the new residual:
+        the memory itself, or in an open step its spare twin (the memory stays as it was)."""
+        mem = self._memory_for(key, tensors)
+        if self._pending is None or key in self._pending:
+            flat, views = (self._flat[key], mem) if self._pending is None else self._pending[key]
+            for m, t in zip(views, tensors):
+                m.add_(t)
+            return flat, views
+        flat, views = self._spare.pop(key, (None, []))
+        if flat is None or flat.device != self._flat[key].device or \
+                [v.shape for v in views] != [m.shape for m in mem]:
+            flat = torch.empty_like(self._flat[key])
+            views = unflatten(flat, [m.shape for m in mem])
+        for o, m, t in zip(views, mem, tensors):
+            torch.add(m, t, out=o)
+        self._pending[key] = (flat, views)
+        return flat, views
+
     @torch.no_grad()
     def compress_batch(self, tensors: Sequence[Tensor], key: str = "") -> tuple[Payload, Any]:
-        mem = self._memory_for(key, tensors)
-        # The memory buffers become the compensated gradient in place (no per-step allocation) and
-        # go back to holding the residual in _update_memory.
-        for m, t in zip(mem, tensors):
-            m.add_(t)
+        # The working buffers become the compensated gradient in place (no per-step allocation)
+        # and go back to holding the residual in _update_memory.
+        flat, mem = self._working(key, tensors)
         payload, inner_ctx = self.inner.compress_batch(mem, key)
         payload = _unalias(payload, mem)
-        ctx = _EFCtx(inner_ctx, key, mem, [t.dtype for t in tensors])
+        ctx = _EFCtx(inner_ctx, key, mem, [t.dtype for t in tensors], flat=flat)
         if self.inner.rounds == 1:
             self._update_memory(payload, ctx)
         return payload, ctx
@@ -105,7 +134,7 @@ class ErrorFeedback(BucketCompressor):
     def next_round_batch(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
         payload, inner_ctx = self.inner.next_round_batch(reduced, ctx.inner)
         payload = _unalias(payload, ctx.compensated)
-        ctx = _EFCtx(inner_ctx, ctx.key, ctx.compensated, ctx.dtypes, ctx.round + 1)
+        ctx = _EFCtx(inner_ctx, ctx.key, ctx.compensated, ctx.dtypes, ctx.round + 1, ctx.flat)
         if ctx.round == self.inner.rounds - 1:
             self._update_memory(payload, ctx)
         return payload, ctx
@@ -117,8 +146,9 @@ class ErrorFeedback(BucketCompressor):
             m.sub_(t)
         # A non-finite gradient (an fp16 overflow step that the grad scaler skips) would poison the
         # memory for good: zero those entries (no host sync, unlike an isfinite().all() check).
-        self._flat[ctx.key].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        ctx.compensated = None
+        assert ctx.flat is not None
+        ctx.flat.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        ctx.compensated = ctx.flat = None
 
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
         out = self.inner.decompress_batch(payload, ctx.inner)
@@ -127,7 +157,23 @@ class ErrorFeedback(BucketCompressor):
     @torch.no_grad()
     def credit(self, key: str, indices: Tensor, values: Tensor) -> None:
         # Values the exchange dropped were subtracted from the memory as sent: add them back.
-        self._flat[key].index_add_(0, indices.to(self._flat[key].device), values.to(torch.float32))
+        flat = self._pending[key][0] if self._pending and key in self._pending else self._flat[key]
+        flat.index_add_(0, indices.to(flat.device), values.to(torch.float32))
+
+    def begin_step(self) -> None:
+        self.end_step(keep=True)  # a step left open is kept, as it would be without transactions
+        self.inner.begin_step()
+        self._pending = {}
+
+    def end_step(self, keep: bool) -> None:
+        pending, self._pending = self._pending, None
+        self.inner.end_step(keep)
+        for key, (flat, views) in (pending or {}).items():
+            if keep:  # the new residual becomes the memory; the old memory the spare
+                self._spare[key] = (self._flat[key], self.memory[key])
+                self._flat[key], self.memory[key] = flat, views
+            else:
+                self._spare[key] = (flat, views)
 
     def aggregate(self, tensors: list[Tensor]) -> Tensor:
         return self.inner.aggregate(tensors)
@@ -140,11 +186,13 @@ class ErrorFeedback(BucketCompressor):
         return self.inner.batch_payload_bytes(shapes, torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
+        """The memory as of the last kept step (an open step's updates are not in it)."""
         return {"inner": self.inner.state_dict(), "memory": {k: [m.clone() for m in v] for k, v in self.memory.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state.get("inner", {}))
-        self.memory, self._flat = {}, {}
+        self.memory, self._flat, self._spare = {}, {}, {}
+        self._pending = None if self._pending is None else {}
         for key, mems in state.get("memory", {}).items():
             flat = flatten(mems).to(torch.float32, copy=True) if mems else torch.zeros(0)
             self.memory[key], self._flat[key] = unflatten(flat, [m.shape for m in mems]), flat

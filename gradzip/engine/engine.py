@@ -30,6 +30,21 @@ Granularity: element-wise compressors get each bucket as one flat tensor; compre
 override ``compress_batch`` (PowerSGD: per matrix, batched by shape) get the bucket's per-parameter
 views. A parameter unused by every worker gets a zero gradient (not ``None``), on every backend.
 
+Non-finite gradients: every bucket's local gradient is summed (in fp32, one read pass, no host
+sync) as it launches, and :meth:`Engine.finalize` reports in ``StepStats.nonfinite`` how many of
+this process's workers saw an inf or NaN (a finite gradient whose fp32 sum overflows, entries
+near 1e38, counts too: Adam's squared gradient would overflow long before). The compressors'
+state updates of a step (error memory, PowerSGD's Q, counters) stay undoable until the next step
+starts: when any rank's gradient was not finite, every rank calls :meth:`Engine.skip_step`
+instead of the optimizer, and the step leaves no trace in the model, the optimizer or the
+compressors::
+
+    stats = engine.finalize()
+    if engine.agree_finite(stats):   # one tiny allreduce (sim: none); gradzip train folds
+        optimizer.step()             # the flag into its per-step metrics reduction instead
+    else:
+        engine.skip_step()
+
 ``no_sync()`` makes the hooks do nothing: gradients accumulate in ``.grad`` and are exchanged on
 the next backward outside ``no_sync()`` (gradient accumulation, as DDP's ``no_sync``).
 
@@ -134,6 +149,8 @@ class _Worker:
         self.scheme: Any = None  # SchemeState or HierarchicalScheme, built after the start-up check
         self.buffers: list[Tensor | None] = [None] * len(buckets)
         self.snap = comm.stats.snapshot()
+        self.stateful: list[Compressor] = [compressor]  # + the scheme's (server memory): undoable steps
+        self.open = False  # a step whose state updates skip_step() may still undo
         self.reset(buckets)
 
     def reset(self, buckets: list[Bucket]) -> None:
@@ -149,6 +166,7 @@ class _Worker:
         self.fwd_start: float | None = None
         self.t_end: float | None = None
         self.hook_s = 0.0  # engine time inside hooks (lies within forward+backward)
+        self.sums: list[Tensor] = []  # per launched bucket: fp32 sum of the local gradient (inf/NaN check)
         self.fin_s = 0.0   # engine compute time outside hooks (flush, next rounds, decode)
 
     def buffer(self, b: Bucket) -> Tensor:
@@ -206,6 +224,7 @@ class Engine:
                         if self.config.hierarchical else SchemeState(w.compressor, w.comm))
         for w in self._workers:  # after every worker's splits (sim binds them once all have split)
             w.scheme.bind()
+            w.stateful = [w.compressor] + [c for c in w.scheme.compressors() if c is not w.compressor]
         for w in self._workers:
             w.snap = w.comm.stats.snapshot()  # start-up traffic is not part of step 1
 
@@ -288,14 +307,44 @@ class Engine:
                 p.grad = torch.zeros_like(p)
         t_done = _now()
         stats = self._stats(t_fin, t_done)
+        # One host sync for the whole step (finalize waits for the network anyway).
+        stats.nonfinite = sum(1 for w in self._workers
+                              if w.sums and not bool(torch.isfinite(torch.stack(w.sums).sum())))
         for w in self._workers:
             w.snap = w.comm.stats.snapshot()
             w.reset(self.buckets)
         self._last_end = _now()
         return stats
 
+    def agree_finite(self, stats: StepStats) -> bool:
+        """True when every rank's gradient of the step that ``stats`` reports was finite. Real
+        backends: one allreduce of one number (its bytes count in the next step's stats); sim: local."""
+        bad = float(stats.nonfinite)
+        if not self.sim and self.world_size > 1:
+            t = torch.tensor([bad], dtype=torch.float32, device=self.buckets[0].device)
+            self.comm.allreduce(t, "sum")
+            bad = float(t.item())
+        return bad == 0
+
+    def skip_step(self) -> None:
+        """Undo the step :meth:`finalize` just ended: every compressor's state goes back to what it
+        was before the step, and the averaged gradients are dropped (``p.grad = None``), so that an
+        optimizer step by mistake changes nothing either. Call it on every rank, or on none."""
+        for w in self._workers:
+            self._settle(w, keep=False)
+        for p in self._trainable:
+            p.grad = None
+
+    def _settle(self, w: _Worker, keep: bool) -> None:
+        if w.open:
+            for c in w.stateful:
+                c.end_step(keep)
+            w.open = False
+
     def state_dict(self) -> dict[str, Any]:
         """Every local worker's compressor state (sim: N entries; real: this rank's)."""
+        for w in self._workers:
+            self._settle(w, keep=True)
         return {"spec": self.spec, "worker_ids": self.worker_ids,
                 "compressors": [w.compressor.state_dict() for w in self._workers],
                 "schemes": [w.scheme.state_dict() for w in self._workers]}
@@ -306,6 +355,8 @@ class Engine:
         if list(state.get("worker_ids", [])) != self.worker_ids:
             raise GradzipError(f"engine state is for workers {state.get('worker_ids')}, this engine hosts "
                                f"{self.worker_ids}; resume with the same backend and number of workers")
+        for w in self._workers:
+            self._settle(w, keep=True)
         for w, sd in zip(self._workers, state["compressors"]):
             w.compressor.load_state_dict(sd)
         for w, sd in zip(self._workers, state.get("schemes", [{}] * len(self._workers))):
@@ -365,8 +416,14 @@ class Engine:
     def _launch_ready(self, w: _Worker, ready_s: float) -> None:
         """Launch, in index order, every bucket that is full and whose predecessors launched."""
         while w.next_launch < len(self.buckets) and w.pending[w.next_launch] == 0:
+            if w.next_launch == 0:  # the step's first compression: the last step is kept, this one opens
+                self._settle(w, keep=True)
+                for c in w.stateful:
+                    c.begin_step()
+                w.open = True
             b = self.buckets[w.next_launch]
             buf = w.buffer(b)
+            w.sums.append(torch.sum(buf, dtype=torch.float32))
             comp = w.compressor if b.compressed else self._plain
             tensors = unflatten(buf, b.shapes) if b.compressed and self._per_tensor else [buf]
             ex = w.scheme.exchange(comp, tensors, b.key)

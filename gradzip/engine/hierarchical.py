@@ -67,6 +67,11 @@ class HierarchicalScheme:
             return self.inner.exchange(compressor, tensors, key)
         return HierarchicalExchange(compressor, self, tensors, key)
 
+    def compressors(self) -> list[Compressor]:
+        self.bind()
+        assert self.inner is not None
+        return self.inner.compressors() + (self.leader_inner.compressors() if self.leader_inner else [])
+
     def state_dict(self) -> dict[str, Any]:
         self.bind()
         assert self.inner is not None

@@ -72,6 +72,10 @@ class SchemeState:
             return SparseExchange(compressor, self.plan, self.comm, tensors, key)
         return Exchange(compressor, self.comm, tensors, key)
 
+    def compressors(self) -> list[Compressor]:
+        """The stateful compressors this scheme owns (whose steps the engine may undo)."""
+        return [self.server] if self.server is not None else []
+
     def state_dict(self) -> dict[str, Any]:
         return {"server": self.server.state_dict()} if self.server is not None else {}
 

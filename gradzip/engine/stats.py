@@ -22,6 +22,8 @@ class StepStats:
     buckets: number of buckets exchanged.
     intra_bytes_sent: the part of ``bytes_sent`` that stayed inside the node (hierarchical
         exchange; sim with ``ranks_per_node``); the rest crossed between nodes.
+    nonfinite: how many of this process's workers had an inf or NaN in their local gradient
+        (real backends: 0 or 1; see :meth:`Engine.agree_finite` and :meth:`Engine.skip_step`).
     """
 
     compute_s: float
@@ -34,6 +36,7 @@ class StepStats:
     link_s: float = 0.0
     buckets: int = 0
     intra_bytes_sent: int = 0
+    nonfinite: int = 0
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)

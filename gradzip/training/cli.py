@@ -32,6 +32,7 @@ import torch
 from gradzip.comm.launch import detect_launcher_env, spawn_local
 from gradzip.training.checkpoint import check_out_dir
 from gradzip.training.config import BACKENDS, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, load_toml, write_toml
+from gradzip.training.faults import FaultPlan
 from gradzip.training.launch import launch_in_testbed
 from gradzip.training.loop import train
 from gradzip.training.runtime import LAUNCH_MARKER, Runtime, build_data
@@ -64,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--precision", "fp32; bf16 autocast (CPU or CUDA); fp16 autocast + gradient scaling (CUDA only)",
          choices=PRECISIONS)
     flag(g, "--seed", "seeds the model init, data order and masking, dropout", type=int)
+    flag(g, "--max-skips", "a step whose gradient is not finite on some rank is skipped on every rank; stop with "
+         "an error after this many skipped in a row (0: never stop)", type=int)
 
     g = p.add_argument_group("batch and length")
     flag(g, "--batch-size", "sequences per worker per micro-step", type=int)
@@ -137,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    FaultPlan.from_env()  # a bad GRADZIP_FAULT fails here, before any rank starts
     if cfg.real_backend and not os.environ.get(LAUNCH_MARKER) and not _under_launcher():
         return _spawn(cfg)
     summary = train(cfg)
@@ -188,10 +192,12 @@ def _print_summary(s: dict[str, Any]) -> None:
 
     inter = s.get("inter_bytes_per_step")
     between = f" ({inter:,.0f} between nodes)" if inter is not None and inter < (s.get("bytes_per_step") or 0) else ""
+    n_skip = s.get("skipped_steps") or 0
+    skipped = f", {n_skip} step{'s' if n_skip != 1 else ''} skipped (non-finite gradients)" if n_skip else ""
     how = f" (exchange {s.get('exchange')}{', hierarchical' if s.get('hierarchical') else ''})" \
         if s.get("exchange") else ""
     print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {s.get('compressor')}{how} on "
           f"{s.get('workers')} {s.get('backend')} workers: loss {f(s.get('final_loss'), '.4f')}, "
           f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "
           f"({s.get('clock')}), {f(s.get('bytes_per_step'), ',.0f')} bytes/step sent per rank{between}, "
-          f"compression {f(s.get('compression_ratio'), '.1f')}x -> {s.get('out')}")
+          f"compression {f(s.get('compression_ratio'), '.1f')}x{skipped} -> {s.get('out')}")

@@ -46,7 +46,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # (``steps`` may change to extend a run; the LR schedule then follows the new length.)
 RESUME_MUTABLE = frozenset({
     "steps", "stop_at", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-    "timeout", "progress", "resume", "config", "out", "netem",
+    "timeout", "progress", "resume", "config", "out", "netem", "max_skips",
 })
 # Fields not written to a run's config.toml: they describe one invocation, not the run (so that
 # `--resume` after `--stop-at` does not stop again at the same step).
@@ -86,6 +86,7 @@ class TrainConfig:
     precision: str = "fp32"
     clip: float = 1.0
     seed: int = 0
+    max_skips: int = 10  # consecutive steps skipped for a non-finite gradient before the run stops (0: never)
     # -- data
     corpus: str | None = None
     vocab_size: int | None = None
@@ -141,7 +142,7 @@ class TrainConfig:
         for key in ("workers", "batch_size", "accumulation", "seq_len", "steps", "keep_checkpoints"):
             if getattr(self, key) < 1:
                 raise bad(key, f"must be >= 1, got {getattr(self, key)}")
-        for key in ("eval_every", "eval_batches", "checkpoint_every", "min_compress_numel", "seed"):
+        for key in ("eval_every", "eval_batches", "checkpoint_every", "min_compress_numel", "seed", "max_skips"):
             if getattr(self, key) < 0:
                 raise bad(key, f"must be >= 0, got {getattr(self, key)}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:

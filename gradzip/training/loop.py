@@ -3,7 +3,9 @@
 Reads top to bottom: where we run → data → model → engine → optimizer → resume → loop → summary.
 Each optimizer step, every worker computes its micro-batches (``sim``: all N workers in turn in
 this process; real backends: this rank), the engine exchanges the compressed gradients, and the
-optimizer steps on the averaged gradient. Outputs in ``cfg.out`` (rank 0 writes):
+optimizer steps on the averaged gradient. When some worker's gradient has an inf or NaN, every
+worker skips the step instead (optimizer and compressor state untouched, ``skipped`` in the
+metrics); ``cfg.max_skips`` skips in a row stop the run. Outputs in ``cfg.out`` (rank 0 writes):
 
 - ``config.toml``: the resolved configuration (``--config`` accepts it);
 - ``metrics.jsonl``: one record per step (fields: :mod:`gradzip.training.metrics`);
@@ -26,10 +28,12 @@ import torch
 
 from gradzip.comm.cost import allreduce_bytes
 from gradzip.engine import attach
+from gradzip.errors import TrainingError
 from gradzip.models import BertForPreTraining, bert_config
 from gradzip.training import checkpoint
 from gradzip.training.config import TrainConfig, write_toml
 from gradzip.training.evaluate import evaluate, to_device
+from gradzip.training.faults import FaultPlan
 from gradzip.training.metrics import MetricsLog, StepRecord, read_metrics, summarize, truncate_metrics, write_summary
 from gradzip.training.optim import WarmupDecay, build_optimizer
 from gradzip.training.precision import Precision
@@ -46,6 +50,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     anything in ``cfg.out`` is created or changed."""
     # -- where we run: sim world or this rank's communicator; the output directory --------------
     cfg.check_runtime()
+    faults = FaultPlan.from_env()  # GRADZIP_FAULT: chaos tests (gradzip.training.faults)
     runtime = create_runtime(cfg)
     try:
         if runtime.comm is not None:  # the launcher decides the world size, not --workers
@@ -72,7 +77,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         precision = Precision(cfg.precision, runtime.device)
         rngs = WorkerRNG(cfg.seed, list(engine.worker_ids), runtime.device)
         progress: dict[str, Any] = {"step": 0, "tokens": 0, "samples": 0, "wall_s": 0.0, "host_s": 0.0,
-                                    "initial_eval_loss": None}
+                                    "initial_eval_loss": None, "skips_in_a_row": 0}
         state = checkpoint.RunState(model, optimizer, schedule, precision, engine, rngs, progress, cfg.to_dict())
 
         # -- resume: everything back to the newest checkpoint; drop later metrics --------------
@@ -97,7 +102,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             losses = torch.zeros(3, dtype=torch.float64, device=runtime.device)  # loss, mlm, nsp summed over workers
             tokens = samples = 0
             for w in engine.worker_ids:
-                with rngs.use(w), engine.worker(w):  # worker w: its dropout stream, its compressor state
+                faults.before_step(step + 1, w)
+                with rngs.use(w), engine.worker(w), faults.gradients(model, step + 1, w):
+                    # worker w: its dropout stream, its compressor state
                     for micro in range(cfg.accumulation):
                         batch = data.batch("train", step=step * cfg.accumulation + micro, worker=w,
                                            num_workers=runtime.num_workers, batch_size=cfg.batch_size, seed=cfg.seed)
@@ -111,13 +118,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                         parts = torch.stack([res.loss, res.mlm_loss, res.nsp_loss]).detach().double()
                         losses += parts / cfg.accumulation
             stats = engine.finalize()  # averaged gradients are in p.grad now
+
+            # -- metrics, and how many workers saw inf/NaN, summed over ranks (real backends: the
+            # flag rides on this reduction, which is not counted as exchange bytes; sim: local) --
+            loss, mlm, nsp, tokens, samples, bad = runtime.sum_over_ranks(
+                [*losses.tolist(), tokens, samples, stats.nonfinite])
             t_opt = time.perf_counter()
-            grad_norm = precision.step(optimizer, params, cfg.clip)
+            if bad:  # every rank takes this branch: skip the optimizer and the compressors' updates
+                engine.skip_step()
+                precision.skip()
+                grad_norm = float("nan")
+                progress["skips_in_a_row"] = progress.get("skips_in_a_row", 0) + 1
+            else:
+                grad_norm = precision.step(optimizer, params, cfg.clip)
+                progress["skips_in_a_row"] = 0
             schedule.step()
             opt_s = time.perf_counter() - t_opt
-
-            # -- metrics (summed over ranks for real backends; not counted as exchange bytes) ---
-            loss, mlm, nsp, tokens, samples = runtime.sum_over_ranks([*losses.tolist(), tokens, samples])
             progress["step"] = step = step + 1
             progress["tokens"] += int(tokens)
             progress["samples"] += int(samples)
@@ -129,7 +145,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
                 bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
                 clock=stats.clock, host_s=progress["host_s"],
-                bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent))
+                bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent), skipped=bool(bad))
             eval_now = step == last or (cfg.eval_every and step % cfg.eval_every == 0)
             if runtime.is_main and cfg.eval_batches and eval_now:
                 ev = evaluate(model, data, cfg, precision, runtime.device)
@@ -137,6 +153,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                                                        ("eval_loss", "eval_mlm_loss", "eval_nsp_loss"))
             log.write(rec)
             bar.update(rec, tokens)
+            if cfg.max_skips and progress["skips_in_a_row"] >= cfg.max_skips:
+                raise TrainingError(f"steps {step - cfg.max_skips + 1}-{step}: {cfg.max_skips} steps in a row "
+                                    "skipped for inf/NaN gradients on some rank (see 'skipped' in metrics.jsonl); "
+                                    "lower --lr, check the data, or raise --max-skips")
             every = cfg.checkpoint_every
             if (every and (step % every == 0 or step == cfg.steps)) or step == cfg.stop_at:
                 checkpoint.save_run(out, state, runtime, cfg.keep_checkpoints)

@@ -17,7 +17,9 @@ opt_s          optimizer (+ clipping) time
 bytes_sent     bytes this rank sent this step (``bytes_recv``: received)
 bytes_inter    the part of ``bytes_sent`` that crossed between nodes (all of it unless some ranks
                share a node: ``--ranks-per-node``, or a launcher's nodes under ``--hierarchical``)
-grad_norm      global gradient norm before clipping (of the averaged gradient)
+grad_norm      global gradient norm before clipping (of the averaged gradient; null when skipped)
+skipped        true when some rank's gradient had an inf or NaN: every rank skipped the optimizer
+               step and the compressors' state updates (the LR schedule still advances)
 clock          "modelled" (``sim``: α–β network model) or "measured" (real backends)
 host_s         real seconds since the run started, cumulative over resumes
 eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``)
@@ -65,6 +67,7 @@ class StepRecord:
     clock: str
     host_s: float
     bytes_inter: int = 0
+    skipped: bool = False
     eval_loss: float | None = None
     eval_mlm_loss: float | None = None
     eval_nsp_loss: float | None = None
@@ -150,6 +153,7 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         "comm_s": mean("comm_s"),
         "opt_s": mean("opt_s"),
         "clock": last.get("clock"),
+        "skipped_steps": sum(1 for r in records if r.get("skipped")),
     }
     summary.update(info)
     return _clean(summary)

@@ -44,6 +44,12 @@ class Precision:
             optimizer.step()
         return float(norm)
 
+    def skip(self) -> None:
+        """A step skipped for a non-finite gradient: fp16 backs its loss scale off, as GradScaler
+        does when it finds inf itself (the overflow is the likely cause)."""
+        if self.scaler is not None:
+            self.scaler.update(new_scale=self.scaler.get_scale() * self.scaler.get_backoff_factor())
+
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
 
