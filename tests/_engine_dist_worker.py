@@ -102,8 +102,9 @@ def train_ddp(spec: str, rank: int) -> dict:
     import gradzip
 
     model = make_model(empty=False)
-    # find_unused_parameters=True: DDP keeps its first bucket layout (no rebuild after step 1).
-    ddp = DDP(model, bucket_cap_mb=DDP_KW["bucket_cap_mb"], find_unused_parameters=True)
+    # Default DDP: it rebuilds its buckets after step 1, in the order gradients became ready, and
+    # the hook carries each parameter's error memory over to its new bucket.
+    ddp = DDP(model, bucket_cap_mb=DDP_KW["bucket_cap_mb"])
     state, hook = gradzip.ddp_hook(spec, min_compress_numel=DDP_KW["min_compress_numel"], timeout=60)
     ddp.register_comm_hook(state, hook)
     grads = []
@@ -113,7 +114,9 @@ def train_ddp(spec: str, rank: int) -> dict:
         grads.append(flat_grads(model))
         sgd_step(model)
     state.close()
-    return {"grads": grads, "params": flat_params(model)}
+    sd = state.state_dict()
+    return {"grads": grads, "params": flat_params(model), "layouts": {i: len(v) for i, v in state._layouts.items()},
+            "members": sorted(sd["members"]), "memory": sorted(sd["compressor"].get("memory", {}))}
 
 
 DDP_SPECS = ["none", "fp16", "topk:ratio=0.1,ef=true", "onebit", "signsgd", "powersgd:rank=2",

@@ -161,3 +161,22 @@ def test_real_mode_ranks_agree_and_skip_together():
     for a, b in zip(out[0][1], out[1][1]):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", [s for s in _specs() if "exchange=sparse" not in s])
+def test_a_buckets_error_memory_moves_between_keys(spec):
+    """What the DDP hook relies on at DDP's bucket rebuild: a scheme's worker memory of a key can be
+    read out flat, written under another key, and freed (twophase keeps it per chunk)."""
+    from gradzip.engine.schemes import SchemeState
+
+    comp = create(spec)
+    scheme = SchemeState(comp, SimWorld(3)[0])
+    flat = torch.randn(10)
+    scheme.set_residual("bucket0~x", flat, [torch.Size([2, 3]), torch.Size([4])])
+    got = scheme.residual("bucket0~x", 10)
+    if comp.residuals("bucket0~x") is None and got is None:  # no memory to move (ef=false), none kept
+        assert comp.state_dict().get("memory") in (None, {})
+        return
+    torch.testing.assert_close(got, flat, rtol=0, atol=0)
+    scheme.forget("bucket0~x")
+    assert scheme.residual("bucket0~x", 10) is None and not comp.state_dict().get("memory")

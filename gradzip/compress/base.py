@@ -205,6 +205,20 @@ class Compressor(ABC):
         if not keep and undo is not None:
             self.load_state_dict(undo)
 
+    # ----------------------------------------------------------------- state by key
+    # A caller whose buckets change (DDP rebuilds its buckets after the first step) moves each
+    # parameter's residual to its new key and frees the old keys.
+    def residuals(self, key: str) -> list[Tensor] | None:
+        """The error memory of ``key``, one tensor per tensor of the bucket (views), or None
+        (no memory for it, or a compressor without memory)."""
+        return None
+
+    def set_residuals(self, key: str, tensors: Sequence[Tensor]) -> None:
+        """Make ``tensors`` (copied) the error memory of ``key``. Compressors without memory ignore it."""
+
+    def forget(self, key: str) -> None:
+        """Drop every state entry of ``key`` (the key itself and its sub-keys ``key/...``)."""
+
     # ----------------------------------------------------------------- misc
     @property
     def spec(self) -> str:
@@ -296,6 +310,11 @@ def cast_saturating(t: Tensor, dtype: torch.dtype, out: Tensor | None = None) ->
     wide = t.float()  # clamp in fp32: bf16 cannot even hold fp16's max
     clamped = torch.where(torch.isfinite(wide), wide.clamp(-big, big), wide)
     return clamped.to(dtype) if out is None else out.copy_(clamped)
+
+
+def key_under(key: str, prefix: str) -> bool:
+    """``key`` is ``prefix`` or one of its sub-keys (``prefix/...``): what :meth:`Compressor.forget` drops."""
+    return key == prefix or key.startswith(prefix + "/")
 
 
 def unflatten(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import BucketCompressor, Compressor, Payload, cast_saturating, flatten, unflatten
+from gradzip.compress.base import BucketCompressor, Compressor, Payload, cast_saturating, flatten, key_under, unflatten
 
 
 @dataclass
@@ -185,6 +185,21 @@ class ErrorFeedback(BucketCompressor):
     def batch_payload_bytes(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
         return self.inner.batch_payload_bytes(shapes, torch.float32)
 
+    def residuals(self, key: str) -> list[Tensor] | None:
+        mem = self.memory.get(key)
+        return None if mem is None else list(mem)
+
+    def set_residuals(self, key: str, tensors: Sequence[Tensor]) -> None:
+        flat = flatten(tensors).to(torch.float32, copy=True) if tensors else torch.zeros(0)
+        self.memory[key], self._flat[key] = unflatten(flat, [t.shape for t in tensors]), flat
+        self._spare.pop(key, None)
+
+    def forget(self, key: str) -> None:
+        self.inner.forget(key)
+        for d in (self.memory, self._flat, self._spare):
+            for k in [k for k in d if key_under(k, key)]:
+                del d[k]
+
     def state_dict(self) -> dict[str, Any]:
         """The memory as of the last kept step (an open step's updates are not in it)."""
         return {"inner": self.inner.state_dict(), "memory": {k: [m.clone() for m in v] for k, v in self.memory.items()}}
@@ -194,5 +209,4 @@ class ErrorFeedback(BucketCompressor):
         self.memory, self._flat, self._spare = {}, {}, {}
         self._pending = None if self._pending is None else {}
         for key, mems in state.get("memory", {}).items():
-            flat = flatten(mems).to(torch.float32, copy=True) if mems else torch.zeros(0)
-            self.memory[key], self._flat[key] = unflatten(flat, [m.shape for m in mems]), flat
+            self.set_residuals(key, mems)

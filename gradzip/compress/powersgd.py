@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compress._linalg import FactorGroup, LowRankCtx, batch_views, bmm_into, orthonormalize, seeded_normal
-from gradzip.compress.base import BucketCompressor, Payload, numel_of, unflatten
+from gradzip.compress.base import BucketCompressor, Payload, key_under, numel_of, unflatten
 from gradzip.compress.registry import register
 
 
@@ -137,6 +137,11 @@ class PowerSGD(BucketCompressor):
 
     def batch_payload_bytes(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
         return sum(self.payload_bytes(s, dtype) for s in shapes)
+
+    def forget(self, key: str) -> None:
+        for d in (self._q, self._steps):
+            for k in [k for k in d if key_under(k, key)]:
+                del d[k]
 
     def state_dict(self) -> dict[str, Any]:
         return {"q": {k: v.clone() for k, v in self._q.items()}, "steps": dict(self._steps)}

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import Compressor, Payload, numel_of
+from gradzip.compress.base import Compressor, Payload, key_under, numel_of
 from gradzip.compress.registry import register
 from gradzip.compress.select import sparse_to_dense
 from gradzip.compress.topk import check_ratio, k_of
@@ -102,6 +102,10 @@ class RandomK(Compressor):
 
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         return k_of(self.config.ratio, numel_of(shape)) * torch.empty((), dtype=dtype).element_size()
+
+    def forget(self, key: str) -> None:
+        for k in [k for k in self.counters if key_under(k, key)]:
+            del self.counters[k]
 
     def state_dict(self) -> dict[str, Any]:
         return {"counters": dict(self.counters)}

@@ -24,13 +24,17 @@ so they stay in the same order on every rank even next to DDP's own collectives
 
 Compressor state (error memory, PowerSGD's Q) is keyed by ``bucket<index>`` and the bucket's
 parameter layout. DDP rebuilds its buckets after the first iteration (unless
-``find_unused_parameters=True``); a rebuilt bucket gets fresh state rather than another layout's
-error memory (torch's ``powerSGD_hook`` avoids the same problem by compressing only from
-iteration 2 on). Communication goes through a :class:`gradzip.comm.torch_backend.TorchCommunicator`
-on the default process group, so bytes and times are in ``state.comm.stats``.
+``find_unused_parameters=True``), in the order gradients became ready: a bucket with a new layout
+takes over the error memory of its parameters, element for element, from the keys that held them,
+and a key whose parameters have all moved is freed. What cannot follow a new layout restarts:
+PowerSGD's warm-start Q (one fresh power-iteration step, as torch's ``powerSGD_hook`` compresses
+only from iteration 2 on) and ``twophase``'s server memory (a shard of the old chunking).
+Communication goes through a :class:`gradzip.comm.torch_backend.TorchCommunicator` on the default
+process group, so bytes and times are in ``state.comm.stats``.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as live objects.
+import zlib
 from typing import Any
 
 import torch
@@ -66,21 +70,33 @@ class GradzipHookState:
         self._pending: list[tuple[Tensor, list[Tensor], list[_Part], torch.futures.Future]] = []
         self._ordinal: dict[int, int] = {}  # id(parameter) -> order of first appearance (same on all ranks)
         self._layouts: dict[int, list[tuple[int, ...]]] = {}  # bucket index -> parameter layouts seen
+        # Keys with compressed state: key -> (ordinals, numels) of its compressed parameters, in
+        # order; and which key holds each parameter's error memory now.
+        self._members: dict[str, tuple[list[int], list[int]]] = {}
+        self._owner: dict[int, str] = {}
+
+    def layout(self, bucket: dist.GradBucket) -> tuple[int, ...]:
+        """The bucket's parameters as ordinals (order of first appearance: the same on every rank
+        and in every process of a run, since DDP's first layout is always the same)."""
+        return tuple(self._ordinal.setdefault(id(p), len(self._ordinal)) for p in bucket.parameters())
 
     def key(self, bucket: dist.GradBucket) -> str:
-        """State key of a bucket: ``bucket<index>`` for its first layout; a layout seen later under
-        the same index (DDP rebuilds buckets after the first iteration) gets a fresh key, so that
-        no state (error memory, Q) is applied to the wrong parameters."""
-        layout = tuple(self._ordinal.setdefault(id(p), len(self._ordinal)) for p in bucket.parameters())
+        """State key of a bucket: ``bucket<index>`` for its first layout; a later layout under the
+        same index (DDP's rebuild) gets ``bucket<index>~<digest of the layout>``, so that no state
+        is applied to the wrong parameters (its error memory moves over in :meth:`start`)."""
+        layout = self.layout(bucket)
         seen = self._layouts.setdefault(bucket.index(), [])
         if layout not in seen:
             seen.append(layout)
-        k = seen.index(layout)
-        return f"bucket{bucket.index()}" if k == 0 else f"bucket{bucket.index()}~{k}"
+        if seen.index(layout) == 0:
+            return f"bucket{bucket.index()}"
+        return f"bucket{bucket.index()}~{zlib.crc32(repr(layout).encode()):08x}"
 
     # -- called by the hook ------------------------------------------------------------
-    def start(self, key: str, buffer: Tensor, grads: list[Tensor]) -> list[_Part]:
-        """Compress and launch one bucket's exchanges (compressed part first, then plain)."""
+    def start(self, key: str, buffer: Tensor, grads: list[Tensor],
+              layout: tuple[int, ...] | None = None) -> list[_Part]:
+        """Compress and launch one bucket's exchanges (compressed part first, then plain).
+        ``layout``: the gradients' parameter ordinals, for carrying error memory across layouts."""
         big = [i for i, g in enumerate(grads) if not self._split or g.numel() >= self.min_compress_numel]
         chosen = set(big)
         small = [i for i, g in enumerate(grads) if i not in chosen and g.numel() > 0]
@@ -92,6 +108,8 @@ class GradzipHookState:
                 tensors, flat = [buffer], True  # the whole bucket: no copy
             else:
                 tensors, flat = [torch.cat([grads[i].reshape(-1) for i in big])], True
+            if layout is not None:
+                self._carry(key, [layout[i] for i in big], [grads[i].numel() for i in big], [t.shape for t in tensors])
             parts.append((self.scheme.exchange(self.compressor, tensors, key), big, flat))
         if small:
             tensors = [torch.cat([grads[i].reshape(-1) for i in small])]
@@ -99,6 +117,30 @@ class GradzipHookState:
         for ex, _, _ in parts:
             ex.start()
         return parts
+
+    @torch.no_grad()
+    def _carry(self, key: str, ords: list[int], numels: list[int], shapes: list[torch.Size]) -> None:
+        """First use of ``key``: take over its parameters' error memory from the keys that held
+        them (a rebuilt bucket), and free each old key once all of its parameters have moved."""
+        if key in self._members:
+            return
+        self._members[key] = (ords, numels)
+        pieces: dict[int, Tensor] = {}
+        for old in dict.fromkeys(self._owner[o] for o in ords if o in self._owner):
+            old_ords, old_numels = self._members[old]
+            res = self.scheme.residual(old, sum(old_numels))
+            if res is not None:
+                pieces.update((o, p) for o, p in zip(old_ords, torch.split(res, old_numels)) if o in set(ords))
+        for o in ords:
+            self._owner[o] = key
+        for old in [k for k in self._members if k != key and not any(self._owner.get(o) == k
+                                                                    for o in self._members[k][0])]:
+            self.scheme.forget(old)  # every parameter has moved on: free its memory
+            del self._members[old]
+        if pieces:
+            like = next(iter(pieces.values()))
+            flat = torch.cat([pieces[o] if o in pieces else like.new_zeros(n) for o, n in zip(ords, numels)])
+            self.scheme.set_residual(key, flat, shapes)
 
     @torch.no_grad()
     def drain(self) -> None:
@@ -124,13 +166,18 @@ class GradzipHookState:
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"spec": self.spec, "compressor": self.compressor.state_dict(), "scheme": self.scheme.state_dict()}
+        return {"spec": self.spec, "compressor": self.compressor.state_dict(), "scheme": self.scheme.state_dict(),
+                "members": {k: [list(o), list(n)] for k, (o, n) in self._members.items()},
+                "owner": {str(o): k for o, k in self._owner.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("spec") != self.spec:
             raise GradzipError(f"hook state is for compressor {state.get('spec')!r}, not {self.spec!r}")
         self.compressor.load_state_dict(state["compressor"])
         self.scheme.load_state_dict(state.get("scheme", {}))
+        members = state.get("members", {})
+        self._members = {k: ([int(x) for x in o], [int(x) for x in n]) for k, (o, n) in members.items()}
+        self._owner = {int(o): k for o, k in state.get("owner", {}).items()}
 
     def close(self) -> None:
         self.comm.close()
@@ -142,7 +189,7 @@ def gradzip_comm_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch
     # Views into the flat buffer, one per parameter; results are written through them.
     grads = unflatten(buffer, [g.shape for g in bucket.gradients()])
     try:
-        parts = state.start(state.key(bucket), buffer, grads)
+        parts = state.start(state.key(bucket), buffer, grads, state.layout(bucket))
     except BaseException:
         state._pending.clear()
         raise

@@ -57,6 +57,7 @@ class SchemeState:
     def __init__(self, compressor: Compressor, comm: Communicator) -> None:
         self.scheme = compressor.exchange
         self.comm = comm
+        self.compressor = compressor
         self.server: Compressor | None = create(compressor.spec) if self.scheme == "twophase" else None
         self.plan = build_plan(comm) if self.scheme == "sparse" and comm.world_size > 1 else None
 
@@ -71,6 +72,42 @@ class SchemeState:
         if compressor.exchange == "sparse" and self.plan is not None:
             return SparseExchange(compressor, self.plan, self.comm, tensors, key)
         return Exchange(compressor, self.comm, tensors, key)
+
+    # -- a bucket's worker error memory, whatever the scheme (DDP's bucket rebuild moves it) --
+    def _chunked(self) -> bool:
+        return self.server is not None and self.comm.world_size > 1
+
+    def residual(self, key: str, numel: int) -> Tensor | None:
+        """The worker error memory of the bucket exchanged under ``key`` (``numel`` elements),
+        flat, or None. ``twophase`` keeps it per chunk (``key/j``); the server memory, a shard
+        of the chunked bucket held by one rank, cannot follow a new bucket layout and is not in it."""
+        c = self.compressor
+        if not self._chunked():
+            mem = c.residuals(key)
+            return None if mem is None else flatten(mem)
+        parts = [c.residuals(f"{key}/{j}") for j in range(self.comm.world_size)]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([flatten(p) for p in parts])[:numel]  # type: ignore[arg-type]
+
+    def set_residual(self, key: str, flat: Tensor, shapes: Sequence[torch.Size]) -> None:
+        """Make ``flat`` the worker error memory of a bucket of ``shapes`` exchanged under ``key``."""
+        c = self.compressor
+        if not self._chunked():
+            c.set_residuals(key, unflatten(flat, shapes))
+            return
+        n = self.comm.world_size
+        chunk = math.ceil(flat.numel() / n)
+        padded = flat.new_zeros(chunk * n)
+        padded[:flat.numel()] = flat
+        for j in range(n):
+            c.set_residuals(f"{key}/{j}", [padded[j * chunk:(j + 1) * chunk]])
+
+    def forget(self, key: str) -> None:
+        """Free every state of ``key``: the compressor's and the server's."""
+        self.compressor.forget(key)
+        if self.server is not None:
+            self.server.forget(key)
 
     def compressors(self) -> list[Compressor]:
         """The stateful compressors this scheme owns (whose steps the engine may undo)."""
