@@ -103,9 +103,14 @@ CASES = [
      {"c.toml": 'compressor = "onebit:exchange=allgather"\nexchange = "twophase"\n'}, "set the scheme in one place"),
     ("netem-bad-subnet", ["netem", "up", "--prefix", "badin", "--subnet", "192.168.0.0/24"], {}, {},
      "outside the benchmarking range"),
+    ("max-skips-negative", TRAIN + ["--max-skips", "-1"], {}, {}, "--max-skips must be >= 0"),
+    ("fault-unknown-kind", TRAIN, {"GRADZIP_FAULT": "boom:step=1"}, {}, "unknown fault 'boom'"),
+    ("fault-without-step", TRAIN, {"GRADZIP_FAULT": "nan:rank=1"}, {}, "step= is required"),
+    ("fault-delay-without-seconds", TRAIN, {"GRADZIP_FAULT": "delay:step=2"}, {}, "delay needs seconds= > 0"),
+    ("fault-step-range-reversed", TRAIN, {"GRADZIP_FAULT": "inf:step=5-2"}, {}, "A <= B"),
 ]
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+LAUNCHER_VARS = ("GRADZIP_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
                  "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
                  "SLURM_STEP_NUM_TASKS", "GRADZIP_LAUNCHER")
 
