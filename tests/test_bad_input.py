@@ -110,7 +110,8 @@ CASES = [
     ("fault-step-range-reversed", TRAIN, {"GRADZIP_FAULT": "inf:step=5-2"}, {}, "A <= B"),
 ]
 
-LAUNCHER_VARS = ("GRADZIP_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+LAUNCHER_VARS = ("GRADZIP_FAULT",  # a fault set outside the suite must not reach these runs
+                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
                  "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
                  "SLURM_STEP_NUM_TASKS", "GRADZIP_LAUNCHER")
 
