@@ -197,6 +197,8 @@ EXTERNAL: list[tuple[Callable[[list[str]], bool], str]] = [
     (lambda t: t[:3] == ["ip", "netns", "exec"], "needs root: a program on a host of the network testbed"),
     (lambda t: t[0] == "rm", "removes files"),
     (lambda t: _is_python(t, "-c"), "inline Python (test_inline_python_compiles checks it)"),
+    (lambda t: any(x.startswith("examples/") and x.endswith(".py") for x in t),
+     "an example script (tests/test_integrations.py runs each under its launcher)"),
 ]
 
 

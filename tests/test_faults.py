@@ -131,6 +131,6 @@ def test_a_killed_rank_and_a_straggler_are_named(tmp_path, tiny, backend):
     assert p.returncode != 0
     named = "rank(s) [1]" if backend == "gloo" else "rank 1"  # mpirun names it itself
     assert named in p.stderr and ("lost" in p.stderr or "Killed" in p.stderr), p.stderr[-3000:]
-    p = gradzip(*args, "--out", str(tmp_path / "slow"), fault="delay:step=2,rank=1,seconds=8")
+    p = gradzip(*args, "--out", str(tmp_path / "slow"), fault="delay:step=2,rank=1,seconds=5")
     assert p.returncode != 0
     assert "timed out after 2 s on rank 0" in p.stderr and "rank 1" in p.stderr, p.stderr[-3000:]

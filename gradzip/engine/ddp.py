@@ -1,10 +1,14 @@
 """DDP adapter: every gradzip compressor as a ``DistributedDataParallel`` communication hook.
 
-Example (every rank, after ``dist.init_process_group`` and before training)::
+Example (every rank, before training)::
 
     ddp = DistributedDataParallel(model)
     state, hook = gradzip.ddp_hook("topk:ratio=0.01,ef=true")
     ddp.register_comm_hook(state, hook)
+
+The state may be built before the process group exists (Lightning's ``DDPStrategy(ddp_comm_state=
+state, ddp_comm_hook=hook)`` is built that early): it binds to the default group at the hook's
+first call, and the check that every rank passed the same spec and options runs then.
 
 What the hook does with each of DDP's buckets (``GradBucket``), in the order DDP calls it:
 
@@ -54,15 +58,22 @@ _Part = tuple[Any, list[int], bool]  # exchange, indices of the bucket's gradien
 
 
 class GradzipHookState:
-    """The state passed to :func:`gradzip_comm_hook`: compressor, communicator, pending exchanges."""
+    """The state passed to :func:`gradzip_comm_hook`: compressor, communicator, pending exchanges.
 
-    def __init__(self, compressor: str | Compressor, comm: Any, min_compress_numel: int = 1024) -> None:
+    ``comm=None``: bind late, at the first hook call (:meth:`bind`), to the default process group.
+    ``stats()`` gives this rank's figures since its last call (bytes per step, compression ratio,
+    compression time) for a trainer's logs."""
+
+    def __init__(self, compressor: str | Compressor, comm: Any = None, min_compress_numel: int = 1024,
+                 timeout: float | None = None) -> None:
         if min_compress_numel < 0:
             raise GradzipError(f"min_compress_numel must be >= 0, got {min_compress_numel}")
         self.compressor = create(compressor)
         self.spec = self.compressor.spec
-        self.comm = comm
-        self.scheme = SchemeState(self.compressor, comm)  # e.g. twophase's server memory
+        self.timeout = timeout
+        self.comm: Any = None
+        self.scheme: SchemeState | None = None  # e.g. twophase's server memory; built at bind
+        self._scheme_state: dict[str, Any] = {}  # loaded before binding: applied at bind
         self.min_compress_numel = min_compress_numel
         self._plain = NoCompression()
         self._split = not self.compressor.identity
@@ -74,6 +85,44 @@ class GradzipHookState:
         # order; and which key holds each parameter's error memory now.
         self._members: dict[str, tuple[list[int], list[int]]] = {}
         self._owner: dict[int, str] = {}
+        self._totals = {"steps": 0, "bytes": 0, "plain_bytes": 0.0, "compress_s": 0.0}  # since stats()
+        self._bytes_mark = 0
+        if comm is not None:
+            self._attach(comm)
+
+    def bind(self) -> None:
+        """Bind to the default process group (once): build the communicator, check that every rank
+        has the same spec and options (one line on every rank otherwise), build the scheme."""
+        if self.comm is not None:
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            raise GradzipError("ddp_hook: torch.distributed is not initialised at the hook's first call; "
+                               "DDP needs dist.init_process_group first")
+        comm = TorchCommunicator() if self.timeout is None else TorchCommunicator(timeout=self.timeout)
+        check_agreement([comm], [fingerprint([], self.spec, {"min_compress_numel": self.min_compress_numel})])
+        self._attach(comm)
+
+    def _attach(self, comm: Any) -> None:
+        self.comm = comm
+        self.scheme = SchemeState(self.compressor, comm)
+        self.scheme.load_state_dict(self._scheme_state)
+        self._bytes_mark = comm.stats.bytes_sent
+
+    def stats(self, reset: bool = True) -> dict[str, float]:
+        """This rank's figures over the steps since the last ``stats()``: ``steps`` exchanged,
+        ``bytes_per_step`` sent, ``compression_ratio`` (what an fp32 ring allreduce of the same
+        gradients would send, over what was sent), ``compress_s_per_step`` (encode and decode).
+        Empty before any step."""
+        t = dict(self._totals)
+        sent = (self.comm.stats.bytes_sent - self._bytes_mark) if self.comm is not None else 0
+        if reset:
+            self._totals = {"steps": 0, "bytes": 0, "plain_bytes": 0.0, "compress_s": 0.0}
+            self._bytes_mark += sent
+        if not t["steps"]:
+            return {}
+        n = t["steps"]
+        return {"steps": n, "bytes_per_step": sent / n, "compress_s_per_step": t["compress_s"] / n,
+                "compression_ratio": t["plain_bytes"] / sent if sent else float("nan")}
 
     def layout(self, bucket: dist.GradBucket) -> tuple[int, ...]:
         """The bucket's parameters as ordinals (order of first appearance: the same on every rank
@@ -116,6 +165,8 @@ class GradzipHookState:
             parts.append((Exchange(self._plain, self.comm, tensors, key=f"{key}/plain"), small, True))
         for ex, _, _ in parts:
             ex.start()
+        n = self.comm.world_size
+        self._totals["plain_bytes"] += 4 * sum(g.numel() for g in grads) * 2 * (n - 1) / n  # fp32 ring allreduce
         return parts
 
     @torch.no_grad()
@@ -147,9 +198,12 @@ class GradzipHookState:
         """Finish every pending exchange (waves in bucket order), write back, complete futures."""
         pending, self._pending = self._pending, []
         try:
-            active = [ex for _, _, parts, _ in pending for ex, _, _ in parts]
+            exchanges = [ex for _, _, parts, _ in pending for ex, _, _ in parts]
+            active = exchanges
             while active:
                 active = [ex for ex in active if not ex.advance()]
+            self._totals["steps"] += 1
+            self._totals["compress_s"] += sum(ex.compress_s for ex in exchanges)
             for buffer, grads, parts, fut in pending:
                 for ex, idx, flat in parts:
                     res = ex.result()
@@ -166,7 +220,9 @@ class GradzipHookState:
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"spec": self.spec, "compressor": self.compressor.state_dict(), "scheme": self.scheme.state_dict(),
+        """This rank's state (error memory, Q, the layouts it belongs to): save it per rank."""
+        scheme = self.scheme.state_dict() if self.scheme is not None else self._scheme_state
+        return {"spec": self.spec, "compressor": self.compressor.state_dict(), "scheme": scheme,
                 "members": {k: [list(o), list(n)] for k, (o, n) in self._members.items()},
                 "owner": {str(o): k for o, k in self._owner.items()}}
 
@@ -174,17 +230,21 @@ class GradzipHookState:
         if state.get("spec") != self.spec:
             raise GradzipError(f"hook state is for compressor {state.get('spec')!r}, not {self.spec!r}")
         self.compressor.load_state_dict(state["compressor"])
-        self.scheme.load_state_dict(state.get("scheme", {}))
+        self._scheme_state = state.get("scheme", {})
+        if self.scheme is not None:
+            self.scheme.load_state_dict(self._scheme_state)
         members = state.get("members", {})
         self._members = {k: ([int(x) for x in o], [int(x) for x in n]) for k, (o, n) in members.items()}
         self._owner = {int(o): k for o, k in state.get("owner", {}).items()}
 
     def close(self) -> None:
-        self.comm.close()
+        if self.comm is not None:
+            self.comm.close()
 
 
 def gradzip_comm_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP communication hook; see the module docstring."""
+    state.bind()
     buffer = bucket.buffer()
     # Views into the flat buffer, one per parameter; results are written through them.
     grads = unflatten(buffer, [g.shape for g in bucket.gradients()])
@@ -203,14 +263,11 @@ def gradzip_comm_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch
 def ddp_hook(spec: str | Compressor, process_group: Any = None, min_compress_numel: int = 1024,
              timeout: float | None = None) -> tuple[GradzipHookState, Any]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``. Call it on every
-    rank (it builds a communicator and checks that every rank passed the same spec)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise GradzipError("ddp_hook: torch.distributed is not initialised; call dist.init_process_group first "
-                           "(or use gradzip.comm.init_communicator)")
-    if process_group is not None and process_group is not dist.group.WORLD:
+    rank. With the process group up it binds at once (builds a communicator and checks that every
+    rank passed the same spec); before that it binds at the hook's first call."""
+    if process_group is not None and (not dist.is_initialized() or process_group is not dist.group.WORLD):
         raise GradzipError("ddp_hook: only the default process group is supported (pass process_group=None)")
-    create(spec)  # a bad spec fails before any collective
-    comm = TorchCommunicator() if timeout is None else TorchCommunicator(timeout=timeout)
-    state = GradzipHookState(spec, comm, min_compress_numel)
-    check_agreement([comm], [fingerprint([], state.spec, {"min_compress_numel": min_compress_numel})])
+    state = GradzipHookState(spec, None, min_compress_numel, timeout)  # a bad spec fails here, before any collective
+    if dist.is_available() and dist.is_initialized():
+        state.bind()
     return state, gradzip_comm_hook
