@@ -180,6 +180,15 @@ def main() -> int:
             if dist.is_initialized():
                 for spec in DDP_SPECS:
                     res["ddp"][spec] = train_ddp(spec, r)
+                # A hook state built before the group existed checks the ranks when it binds.
+                from gradzip.engine.ddp import GradzipHookState
+
+                late = GradzipHookState("onebit" if r == 0 else "topk:ratio=0.1", None, DDP_KW["min_compress_numel"])
+                try:
+                    late.bind()
+                    res["ddp_late"] = "no error"
+                except GradzipError as e:
+                    res["ddp_late"] = str(e)
         torch.save(res, out / f"rank{r}.pt")
         if "hang" in phases:  # last: it leaves the communicator broken
             model = make_model()

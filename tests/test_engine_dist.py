@@ -148,6 +148,9 @@ def test_ddp_adapter_matches_the_engine(tmp_root):
     hook carries the error memory over, element for element, so that the steps after the rebuild
     still equal the engine's continuous error feedback; the old key's state is freed."""
     results = run("gloo", 2, tmp_root)
+    for r in range(2):  # a state that binds late (built before the process group) checks at binding
+        msg = results[r]["ddp_late"]
+        assert "spec differs on rank(s) [1]" in msg and "\n" not in msg, msg
     for spec in W.DDP_SPECS:
         for r in range(2):
             got = results[r]["ddp"][spec]

@@ -99,7 +99,11 @@ class GradzipHookState:
             raise GradzipError("ddp_hook: torch.distributed is not initialised at the hook's first call; "
                                "DDP needs dist.init_process_group first")
         comm = TorchCommunicator() if self.timeout is None else TorchCommunicator(timeout=self.timeout)
-        check_agreement([comm], [fingerprint([], self.spec, {"min_compress_numel": self.min_compress_numel})])
+        try:
+            check_agreement([comm], [fingerprint([], self.spec, {"min_compress_numel": self.min_compress_numel})])
+        except BaseException:
+            comm.close()
+            raise
         self._attach(comm)
 
     def _attach(self, comm: Any) -> None:
