@@ -184,3 +184,30 @@ def test_ddp_hook_state_built_before_the_process_group_binds_at_the_first_step(t
     finally:
         state.close()
         dist.destroy_process_group()
+
+
+def test_lightning_checkpoint_round_trips_the_hook_state():
+    """on_save_checkpoint puts every rank's state in the checkpoint dict; on_load_checkpoint gives
+    each rank its own back (here one process: rank 0), through torch.save/load(weights_only)."""
+    pytest.importorskip("lightning", reason="needs `pip install gradzip[lightning]`")
+    import io
+
+    from gradzip.engine.ddp import GradzipHookState
+    from gradzip.errors import GradzipError
+    from gradzip.integrations.lightning import GradzipCallback
+
+    state = GradzipHookState("topk:ratio=0.5,ef=true")
+    state.compressor.set_residuals("bucket0", [torch.randn(6), torch.randn(2, 3)])
+    ckpt: dict = {}
+    GradzipCallback(state).on_save_checkpoint(None, None, ckpt)
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    fresh = GradzipHookState("topk:ratio=0.5,ef=true")
+    GradzipCallback(fresh).on_load_checkpoint(None, None, loaded)
+    for a, b in zip(state.compressor.residuals("bucket0"), fresh.compressor.residuals("bucket0")):
+        assert torch.equal(a, b)
+    with pytest.raises(GradzipError, match="hook state is for compressor"):
+        GradzipCallback(GradzipHookState("onebit")).on_load_checkpoint(None, None, loaded)
+    GradzipCallback(GradzipHookState("onebit")).on_load_checkpoint(None, None, {})  # no gradzip entry: nothing
