@@ -130,12 +130,13 @@ HIER_KW = dict(ENGINE_KW, hierarchical=True)
 
 def matrix_specs() -> list[str]:
     """Every compressor by name, then every compressor under each scheme it declares beyond its
-    own collective (generic: a new compressor or scheme is covered without edits)."""
+    own collective, then every biased one with EF21 (generic: a new compressor or scheme is covered
+    without edits)."""
     from gradzip.compress import registry
 
     reg = registry()
     return sorted(reg) + [f"{name}:exchange={s}" for name, cls in reg.items() for s in cls.schemes
-                          if s != cls.collective]
+                          if s != cls.collective] + [f"{name}:ef=ef21" for name, cls in reg.items() if cls.biased]
 MISMATCH = {"spec": ("topk:ratio=0.1", "topk:ratio=0.2"), "model": (24, 25)}
 
 

@@ -28,10 +28,11 @@ SHAPES = [(), (1,), (0,), (7,), (13, 5), (3, 4, 5), (1000,), (64, 33)]
 
 
 def _specs() -> list[str]:
-    """Canonical specs: each registered compressor as default, with EF and without EF."""
+    """Canonical specs: each registered compressor as default, with EF and without EF, and with
+    EF21 where it is biased."""
     out: list[str] = []
-    for name in registry():
-        for s in (name, f"{name}:ef=true", f"{name}:ef=false"):
+    for name, cls in registry().items():
+        for s in (name, f"{name}:ef=true", f"{name}:ef=false") + ((f"{name}:ef=ef21",) if cls.biased else ()):
             spec = create(s).spec
             if spec not in out:
                 out.append(spec)

@@ -346,7 +346,15 @@ def test_allreduce_bytes_follow_the_ring_factor():
 
 
 # ------------------------------------------------------------------ state, dtypes
-@pytest.mark.parametrize("spec", ["topk:ratio=0.1,ef=true", "powersgd:rank=2", "randomk:ratio=0.2", "onebit"])
+def _resume_specs() -> list[str]:
+    """Every registered compressor (default settings), with EF and with EF21 where it is biased."""
+    out = []
+    for name, cls in sorted(registry().items()):
+        out += [name, f"{name}:ef=true"] + ([f"{name}:ef=ef21"] if cls.biased else [])
+    return out
+
+
+@pytest.mark.parametrize("spec", _resume_specs())
 def test_state_dict_round_trip_continues_identically(spec):
     torch.manual_seed(6)
     model = Net()

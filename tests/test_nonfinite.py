@@ -26,6 +26,8 @@ def _specs() -> list[str]:
         if not create(name).identity and not cls.default_ef:
             out.append(f"{name}:ef=true")
         out += [f"{name}:ef=true,exchange={s}" for s in cls.schemes if s != cls.collective]
+        if cls.biased:
+            out.append(f"{name}:ef=ef21")
     return out
 
 

@@ -30,7 +30,8 @@ from gradzip.compress import create, registry
 from gradzip.engine.exchange import Exchange
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-SPECS = sorted({create(s).spec for name in registry() for s in (name, f"{name}:ef=true", f"{name}:ef=false")})
+SPECS = sorted({create(s).spec for name, cls in registry().items()
+                for s in (name, f"{name}:ef=true", f"{name}:ef=false") + ((f"{name}:ef=ef21",) if cls.biased else ())})
 settings.register_profile("gradzip-ci", max_examples=25, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("explore", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])

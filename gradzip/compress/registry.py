@@ -2,7 +2,8 @@
 
 A spec is ``NAME`` or ``NAME:key=value,key=value``, e.g. ``"topk:ratio=0.01,ef=true"`` or
 ``"powersgd:rank=4,warm_start=true"``. Two keys are common to all compressors: ``ef`` wraps the
-compressor in :class:`gradzip.compress.ef.ErrorFeedback` (default: the class's ``default_ef``), and
+compressor in :class:`gradzip.compress.ef.ErrorFeedback` (default: the class's ``default_ef``;
+``ef=ef21`` in :class:`gradzip.compress.ef21.EF21` instead, for biased compressors), and
 ``exchange`` picks how payloads are combined, one of the class's ``schemes`` (default: its
 ``collective``), e.g. ``"onebit:exchange=twophase"``.
 
@@ -28,6 +29,7 @@ from typing import Any
 import gradzip.compress as pkg
 from gradzip.compress.base import SCHEMES, Compressor
 from gradzip.compress.ef import ErrorFeedback
+from gradzip.compress.ef21 import EF21
 from gradzip.errors import SpecError
 
 _REGISTRY: dict[str, type[Compressor]] = {}
@@ -131,8 +133,16 @@ def create(spec: str | Compressor) -> Compressor:
         raise SpecError(f"unknown compressor {name!r}; choose one of: {', '.join(reg)}")
     cls = reg[name]
     ef_raw = params.pop("ef", None)
-    ef = cls.default_ef if ef_raw is None else _convert(ef_raw, bool, name, "ef")
+    ef21 = ef_raw is not None and ef_raw.lower() == "ef21"
+    if ef_raw is not None and not ef21 and ef_raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise SpecError(f"{name}: ef={ef_raw!r} is not one of true, false or ef21")
+    ef = cls.default_ef if ef_raw is None else (False if ef21 else _convert(ef_raw, bool, name, "ef"))
     exchange = params.pop("exchange", cls.collective).lower()
+    if ef21 and not cls.biased:
+        raise SpecError(f"{name}: ef=ef21 is for biased compressors, and {name} is unbiased; drop ef=ef21")
+    if ef21 and exchange != cls.collective:
+        raise SpecError(f"{name}: ef=ef21 works with {name}'s own collective, not exchange={exchange}; "
+                        f"drop exchange= or use ef=true")
     if exchange not in cls.schemes:
         what = "unknown exchange scheme" if exchange not in SCHEMES else f"{name} does not support exchange"
         raise SpecError(f"{name}: {what} {exchange!r}; {name} supports exchange={'|'.join(cls.schemes)}")
@@ -152,6 +162,8 @@ def create(spec: str | Compressor) -> Compressor:
     if ef and (caveat := comp.ef_caveat()) and (name, caveat) not in _WARNED:
         _WARNED.add((name, caveat))  # once per process: specs are parsed again per worker and rank
         warnings.warn(f"{name}: {caveat}", stacklevel=2)
+    if ef21:
+        return EF21(comp)
     if ef:
         return ErrorFeedback(comp)
     return comp
