@@ -45,6 +45,12 @@ compressors::
     else:
         engine.skip_step()
 
+Optimizers that compress something other than the gradient (1-bit Adam and 1-bit LAMB exchange
+the momentum, :mod:`gradzip.training.onebit_optim`) set two attributes between steps:
+``engine.compressing = False`` exchanges every bucket uncompressed (their warm-up), and
+``engine.transform = fn`` calls ``fn(bucket, buffer)`` on each bucket's local gradient before it
+is compressed, to turn it in place into what is exchanged instead.
+
 ``no_sync()`` makes the hooks do nothing: gradients accumulate in ``.grad`` and are exchanged on
 the next backward outside ``no_sync()`` (gradient accumulation, as DDP's ``no_sync``).
 
@@ -60,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +212,10 @@ class Engine:
         self._workers = [_Worker(c.rank, c, comp, self.buckets) for c, comp in zip(comms, compressors)]
         self._current: _Worker | None = None
         self._no_sync = False
+        # Optimizer-level compression (1-bit Adam/LAMB): exchange uncompressed while False, and a
+        # transform of each bucket's local gradient before it is compressed (the local momentum).
+        self.compressing = True
+        self.transform: Callable[[Bucket, Tensor], None] | None = None
         # Per-bucket timings of the last step (sim: mean over workers), for overlap analysis.
         self.last_timings: list[BucketTiming] = []
 
@@ -423,8 +433,10 @@ class Engine:
                 w.open = True
             b = self.buckets[w.next_launch]
             buf = w.buffer(b)
+            if self.transform is not None:
+                self.transform(b, buf)
             w.sums.append(torch.sum(buf, dtype=torch.float32))
-            comp = w.compressor if b.compressed else self._plain
+            comp = w.compressor if b.compressed and self.compressing else self._plain
             tensors = unflatten(buf, b.shapes) if b.compressed and self._per_tensor else [buf]
             ex = w.scheme.exchange(comp, tensors, b.key)
             ex.start()

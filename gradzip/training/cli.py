@@ -56,7 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--exchange", "how payloads combine, one of the compressor's schemes (gradzip ls): allgather, allreduce, "
          "twophase (compressed allreduce); default: the compressor's own, or the spec's exchange=", show_default=False,
          metavar="SCHEME")
-    flag(g, "--optimizer", "adamw, or lamb (You et al. 2019)", choices=OPTIMIZERS)
+    flag(g, "--optimizer", "adamw; lamb (You et al. 2019); onebit-adam, onebit-lamb: warm up uncompressed for "
+         "--freeze-step steps, then exchange the momentum compressed (onebit:exchange=twophase unless --compressor)",
+         choices=OPTIMIZERS)
+    flag(g, "--freeze-step", "onebit-adam/-lamb: warm-up steps before the variance freezes and the momentum is "
+         "compressed (below 1: a fraction of --steps)", type=float)
     flag(g, "--lr", "peak learning rate", type=float)
     flag(g, "--warmup", "linear warm-up in steps, or a fraction of --steps if below 1; then linear decay "
          "to 0 at --steps", type=float)
@@ -196,6 +200,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     skipped = f", {n_skip} step{'s' if n_skip != 1 else ''} skipped (non-finite gradients)" if n_skip else ""
     how = f" (exchange {s.get('exchange')}{', hierarchical' if s.get('hierarchical') else ''})" \
         if s.get("exchange") else ""
+    if str(s.get("optimizer", "")).startswith("onebit-"):  # what is compressed is the momentum
+        how = f" and {s.get('optimizer')} (momentum sent as {s.get('spec')} after warm-up)"
     print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {s.get('compressor')}{how} on "
           f"{s.get('workers')} {s.get('backend')} workers: loss {f(s.get('final_loss'), '.4f')}, "
           f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "

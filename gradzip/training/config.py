@@ -38,7 +38,8 @@ from gradzip.netem.spec import parse_netem
 from gradzip.units import parse_bandwidth, parse_latency
 
 BACKENDS = ("sim", "gloo", "nccl", "mpi")
-OPTIMIZERS = ("adamw", "lamb")
+OPTIMIZERS = ("adamw", "lamb", "onebit-adam", "onebit-lamb")
+ONEBIT_SPEC = "onebit:exchange=twophase"  # what the 1-bit optimizers send, unless --compressor says otherwise
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -87,6 +88,7 @@ class TrainConfig:
     clip: float = 1.0
     seed: int = 0
     max_skips: int = 10  # consecutive steps skipped for a non-finite gradient before the run stops (0: never)
+    freeze_step: float = 0.2  # onebit-adam/-lamb: warm-up steps (below 1: a fraction of --steps)
     # -- data
     corpus: str | None = None
     vocab_size: int | None = None
@@ -159,6 +161,10 @@ class TrainConfig:
             raise bad("warmup", f"must be >= 0 (steps, or a fraction of --steps below 1), got {self.warmup}")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             raise bad("warmup", f"must be a whole number of steps or a fraction below 1, got {self.warmup}")
+        if not (math.isfinite(self.freeze_step) and self.freeze_step > 0) or \
+                (self.freeze_step >= 1 and self.freeze_step != int(self.freeze_step)):
+            raise bad("freeze_step", f"must be a whole number of steps >= 1 or a fraction in (0, 1), got "
+                      f"{self.freeze_step}")
         for key, choices in (("backend", BACKENDS), ("optimizer", OPTIMIZERS),
                              ("precision", PRECISIONS), ("device", DEVICES)):
             if getattr(self, key) not in choices:
@@ -193,7 +199,10 @@ class TrainConfig:
 
     @property
     def spec(self) -> str:
-        """The compressor spec with ``exchange`` applied: what the engine is given."""
+        """The compressor spec with ``exchange`` applied: what the engine is given. The 1-bit
+        optimizers send the momentum with ``onebit:exchange=twophase`` unless told otherwise."""
+        if self.optimizer.startswith("onebit-") and self.compressor == "none" and self.exchange is None:
+            return ONEBIT_SPEC
         if self.exchange is None:
             return self.compressor
         _, params = parse_spec(self.compressor)
@@ -235,6 +244,13 @@ class TrainConfig:
         if 0 < self.warmup < 1:
             return int(round(self.warmup * self.steps))
         return min(int(self.warmup), self.steps)
+
+    @property
+    def freeze_steps(self) -> int:
+        """``freeze_step`` in steps: a value below 1 is a fraction of ``steps`` (at least 1)."""
+        if self.freeze_step < 1:
+            return max(1, int(round(self.freeze_step * self.steps)))
+        return int(self.freeze_step)
 
     @property
     def resolved_device(self) -> str:

@@ -72,7 +72,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         engine = attach(model, cfg.spec, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
                         min_compress_numel=cfg.min_compress_numel, agree=cfg.agreement(),
                         hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
-        optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
+        optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay, cfg.freeze_steps)
+        configure = getattr(optimizer, "configure", None)  # 1-bit Adam/LAMB: what the engine exchanges
         schedule = WarmupDecay(optimizer, cfg.lr, cfg.warmup_steps, cfg.steps)
         precision = Precision(cfg.precision, runtime.device)
         rngs = WorkerRNG(cfg.seed, list(engine.worker_ids), runtime.device)
@@ -100,6 +101,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             step = progress["step"]
             lr = schedule.lr
             losses = torch.zeros(3, dtype=torch.float64, device=runtime.device)  # loss, mlm, nsp summed over workers
+            momentum = configure is not None and optimizer.frozen  # p.grad will hold the averaged momentum
+            if configure is not None:
+                configure(engine)
             tokens = samples = 0
             for w in engine.worker_ids:
                 faults.before_step(step + 1, w)
@@ -130,7 +134,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 grad_norm = float("nan")
                 progress["skips_in_a_row"] = progress.get("skips_in_a_row", 0) + 1
             else:
-                grad_norm = precision.step(optimizer, params, cfg.clip)
+                grad_norm = precision.step(optimizer, params, 0.0 if momentum else cfg.clip)
                 progress["skips_in_a_row"] = 0
             schedule.step()
             opt_s = time.perf_counter() - t_opt
@@ -167,6 +171,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if not runtime.is_main:
             return {"rank": runtime.rank}
         info = {"model": cfg.model, "compressor": cfg.compressor, "exchange": engine.compressor.exchange,
+                "spec": engine.spec,
                 "hierarchical": cfg.hierarchical,
                 "backend": cfg.backend, "workers": n,
                 "bandwidth": cfg.bandwidth, "latency": cfg.latency, "optimizer": cfg.optimizer,

@@ -3,6 +3,8 @@
 - ``adamw``: :class:`torch.optim.AdamW` (β = 0.9, 0.999; ε = 1e-6 as in BERT).
 - ``lamb``: :class:`Lamb`, our implementation of You et al. 2019, "Large Batch Optimization for
   Deep Learning: Training BERT in 76 minutes" (Algorithm 2).
+- ``onebit-adam``, ``onebit-lamb``: 1-bit Adam and 1-bit LAMB, which compress the momentum
+  (:mod:`gradzip.training.onebit_optim`).
 - Weight decay is decoupled and skips biases and LayerNorm parameters (every tensor with fewer
   than two dimensions), as in BERT's reference code.
 - :class:`WarmupDecay`: linear warm-up from ~0 to the peak LR, then polynomial (linear by
@@ -36,16 +38,23 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """``adamw`` or ``lamb`` over :func:`param_groups`."""
+def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
+                    freeze_step: int = 1) -> torch.optim.Optimizer:
+    """``adamw``, ``lamb``, ``onebit-adam`` or ``onebit-lamb`` over :func:`param_groups`
+    (``freeze_step``: the 1-bit optimizers' warm-up)."""
     groups = param_groups(model, weight_decay)
+    if name in ("onebit-adam", "onebit-lamb"):
+        from gradzip.training.onebit_optim import OneBitAdam  # it imports this module
+
+        return OneBitAdam(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay,
+                          freeze_step=freeze_step, lamb=name == "onebit-lamb")
     if name == "adamw":
         for g in groups:
             g.pop("adapt")
         return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
     if name == "lamb":
         return Lamb(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; choose adamw or lamb")
+    raise ValueError(f"unknown optimizer {name!r}; choose adamw, lamb, onebit-adam or onebit-lamb")
 
 
 class Lamb(torch.optim.Optimizer):
