@@ -26,7 +26,8 @@ def test_bench_compress_json_rows_match_payload_formulas(capsys):
         c = create(r["spec"])  # the row's spec rebuilds the benchmarked compressor
         shapes = r.get("shapes", [[r["numel"]]])
         assert r["numel"] == sum(s[0] * (s[1] if len(s) > 1 else 1) for s in shapes)
-        assert r["payload_bytes"] == c.batch_payload_bytes(shapes), r["name"]
+        bound = c.batch_payload_bytes(shapes)
+        assert r["payload_bytes"] == bound if c.fixed_size else r["payload_bytes"] <= bound, r["name"]
         assert r["compression_ratio"] == pytest.approx(4 * r["numel"] / r["payload_bytes"])
         assert r["ratio_to_memcpy"] == pytest.approx(r["time_s"] / r["memcpy_s"])
         assert ("matmul_s" in r) == (r["name"] == "powersgd")

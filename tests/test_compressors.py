@@ -115,13 +115,15 @@ def test_round_trip_shape_dtype_and_no_input_change(spec, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", SPECS)
 def test_declared_payload_bytes_are_exact(spec, dtype):
+    """Exact for fixed-size payloads; for data-dependent ones (threshold) an upper bound."""
     c = create(spec)
+    same = (lambda a, b: a == b) if c.fixed_size else (lambda a, b: a <= b)
     for i, shape in enumerate(SHAPES):
         _, sent = solo_single(c, rand(shape, dtype, seed=i), key=f"s{i}")
-        assert sent == c.payload_bytes(shape, dtype), (spec, shape)
+        assert same(sent, c.payload_bytes(shape, dtype)), (spec, shape, sent)
     bucket = [(13, 5), (7,), (64, 33), (3, 4, 5), (64, 33), (1,), (0,)]
     _, sent = solo(c, [rand(s, dtype, seed=i) for i, s in enumerate(bucket)])
-    assert sent == c.batch_payload_bytes(bucket, dtype), spec
+    assert same(sent, c.batch_payload_bytes(bucket, dtype)), (spec, sent)
 
 
 @pytest.mark.parametrize("spec", EF_SPECS)

@@ -317,7 +317,10 @@ def test_every_compressor_runs_through_the_engine(name):
     engine = attach(model, name, SimWorld(2), bucket_cap_mb=0.002, min_compress_numel=32)
     for step in range(3):
         st = run_step(engine, model, data(2, step))
-        assert st.bytes_sent == _expected_bytes(engine), name
+        if engine.compressor.fixed_size:
+            assert st.bytes_sent == _expected_bytes(engine), name
+        else:  # a data-dependent size: the formula bounds it (the size exchange is a few bytes per bucket)
+            assert 0 < st.bytes_sent <= _expected_bytes(engine) + 16 * len(engine.buckets), name
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
         sgd_step(model)
     assert model.odd.grad.shape == (7,) and model.empty.grad.shape == (0,)

@@ -97,7 +97,8 @@ def test_round_trip_shapes_dtypes_bytes_and_finiteness(spec, tensors):
     c = create(spec)
     out, sent = exchange(c, tensors)
     assert [(o.shape, o.dtype) for o in out] == [(t.shape, t.dtype) for t in tensors]
-    assert sent == c.batch_payload_bytes([t.shape for t in tensors], tensors[0].dtype)
+    bound = c.batch_payload_bytes([t.shape for t in tensors], tensors[0].dtype)
+    assert sent == bound if c.fixed_size else sent <= bound  # data-dependent sizes: an upper bound
     finite_in = all(bool(torch.isfinite(t.float()).all()) for t in tensors)
     # Within range: fp16 overflows above 65504 by design, and random-k's unbiased n/k scaling
     # (at most the bucket's size here) must stay below that too.

@@ -166,8 +166,12 @@ def test_payload_bytes_equal_what_the_compressor_sends(name):
             payload, ctx = comp.next_round_batch(tuple(t.clone() for t in payload), ctx)
             real += sum(t.numel() * t.element_size() for t in payload)
         formula += comp.batch_payload_bytes(b.shapes)
-    assert p.payload_bytes == real == formula
-    assert p.compression_ratio == pytest.approx(TINY * 4 / real)
+    assert p.payload_bytes == formula
+    if comp.fixed_size:
+        assert real == formula
+        assert p.compression_ratio == pytest.approx(TINY * 4 / real)
+    else:  # a data-dependent size (threshold): the formula is its upper bound, what the simulator plans for
+        assert real <= formula
 
 
 def engine_step(spec: str, world, hierarchical: bool = False):

@@ -51,8 +51,10 @@ Rules every compressor follows:
   to the mean of the ranks' reconstructions (linear codes: casts, shared-seed random-k, PowerSGD).
 - For ``allgather`` compressors, ``ctx`` holds only what every rank knows identically (shape,
   dtype, numel): it is used to decompress *other* ranks' payloads.
-- ``payload_bytes(shape, dtype)`` is exact: it equals the sum of ``t.numel() * t.element_size()``
-  over the payload tensors of every round.
+- ``payload_bytes(shape, dtype)`` is exact for ``fixed_size`` compressors: it equals the sum of
+  ``t.numel() * t.element_size()`` over the payload tensors of every round. A data-dependent size
+  (``threshold``) makes it an upper bound (or, for DGC's warm-up, the steady state), which is what
+  ``gradzip simulate`` plans for; the engine counts what was really sent.
 - Everything that persists between steps (error memory, PowerSGD's Q, RNG counters) is keyed by
   the ``key`` argument and returned by ``state_dict()``; values are tensors, numbers, strings,
   lists and dicts only, so checkpoints load with ``torch.load(weights_only=True)``.
@@ -237,6 +239,29 @@ class Compressor(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec}>"
+
+
+class KeyCounters:
+    """State of compressors whose randomness advances per key: ``counters[key]`` counts the calls
+    (random-k's shared indices, the stochastic quantisers' rounding streams)."""
+
+    counters: dict[str, int]
+
+    def next_count(self, key: str) -> int:
+        """This call's count for ``key`` (0 first), advancing it."""
+        step = self.counters.get(key, 0)
+        self.counters[key] = step + 1
+        return step
+
+    def forget(self, key: str) -> None:
+        for k in [k for k in self.counters if key_under(k, key)]:
+            del self.counters[k]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counters = {str(k): int(v) for k, v in state.get("counters", {}).items()}
 
 
 class BucketCompressor(Compressor):

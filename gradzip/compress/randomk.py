@@ -23,12 +23,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import Compressor, Payload, key_under, numel_of
+from gradzip.compress.base import Compressor, KeyCounters, Payload, numel_of
 from gradzip.compress.registry import register
 from gradzip.compress.select import sparse_to_dense
 from gradzip.compress.topk import check_ratio, k_of
@@ -53,7 +52,7 @@ class _Ctx:
 
 
 @register("randomk")
-class RandomK(Compressor):
+class RandomK(KeyCounters, Compressor):
     collective = "allreduce"
     schemes = ("allreduce", "twophase")
     biased = False  # for the default unbiased=true; see __init__
@@ -73,8 +72,7 @@ class RandomK(Compressor):
 
     def indices(self, n: int, key: str) -> Tensor:
         """This step's sorted int64 indices for ``key`` (advances the key's counter)."""
-        step = self.counters.get(key, 0)
-        self.counters[key] = step + 1
+        step = self.next_count(key)
         k = k_of(self.config.ratio, n)
         digest = hashlib.blake2b(f"{self.config.seed}/{key}/{step}".encode(), digest_size=8).digest()
         g = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
@@ -103,12 +101,3 @@ class RandomK(Compressor):
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         return k_of(self.config.ratio, numel_of(shape)) * torch.empty((), dtype=dtype).element_size()
 
-    def forget(self, key: str) -> None:
-        for k in [k for k in self.counters if key_under(k, key)]:
-            del self.counters[k]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counters = {str(k): int(v) for k, v in state.get("counters", {}).items()}
