@@ -198,11 +198,12 @@ def _print_summary(s: dict[str, Any]) -> None:
     between = f" ({inter:,.0f} between nodes)" if inter is not None and inter < (s.get("bytes_per_step") or 0) else ""
     n_skip = s.get("skipped_steps") or 0
     skipped = f", {n_skip} step{'s' if n_skip != 1 else ''} skipped (non-finite gradients)" if n_skip else ""
+    what = s.get("compressor")
     how = f" (exchange {s.get('exchange')}{', hierarchical' if s.get('hierarchical') else ''})" \
         if s.get("exchange") else ""
     if str(s.get("optimizer", "")).startswith("onebit-"):  # what is compressed is the momentum
-        how = f" and {s.get('optimizer')} (momentum sent as {s.get('spec')} after warm-up)"
-    print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {s.get('compressor')}{how} on "
+        what, how = s.get("optimizer"), f" (momentum sent as {s.get('spec')} after warm-up)"
+    print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {what}{how} on "
           f"{s.get('workers')} {s.get('backend')} workers: loss {f(s.get('final_loss'), '.4f')}, "
           f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "
           f"({s.get('clock')}), {f(s.get('bytes_per_step'), ',.0f')} bytes/step sent per rank{between}, "
