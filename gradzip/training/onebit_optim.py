@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.training.optim import trust_ratio
+from gradzip.training.optim import adam_state, trust_ratio
 
 FACTOR_MIN, FACTOR_MAX = 0.5, 4.0
 
@@ -87,13 +87,7 @@ class OneBitAdam(torch.optim.Optimizer):
                     continue
                 g = p.grad.float()
                 st = self.state[p]
-                if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
-                    st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                st["step"] += 1
-                t = float(st["step"])
-                m, v = st["exp_avg"], st["exp_avg_sq"]
+                t, m, v = adam_state(st, p)
                 if not compress:
                     m.mul_(beta1).add_(g, alpha=1 - beta1)
                     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)

@@ -57,6 +57,17 @@ def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
     raise ValueError(f"unknown optimizer {name!r}; choose adamw, lamb, onebit-adam or onebit-lamb")
 
 
+def adam_state(state: dict[str, Any], p: Tensor) -> tuple[float, Tensor, Tensor]:
+    """Adam's per-tensor state in ``state`` (created on first use: fp32 moments, a step counter),
+    with the counter advanced: ``(t, exp_avg, exp_avg_sq)`` for this step."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+    state["step"] += 1
+    return float(state["step"]), state["exp_avg"], state["exp_avg_sq"]
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB: Adam's update rescaled per parameter tensor by the trust ratio ``‖w‖ / ‖u‖``.
 
@@ -100,14 +111,7 @@ class Lamb(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = p.grad.float() if p.grad.dtype != torch.float32 else p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                t = float(state["step"])
-                m, v = state["exp_avg"], state["exp_avg_sq"]
+                t, m, v = adam_state(self.state[p], p)
                 m.mul_(beta1).add_(g, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 # u = m̂ / (√v̂ + ε) + λ w, with the bias corrections folded into two scalars
