@@ -302,6 +302,25 @@ def test_bert_tiny_eval_loss_falls_within_100_steps(tmp_path, corpus):
     assert summary["initial_eval_loss"] > math.log(vocab) + math.log(2) - 0.5
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 1.5
     assert evals[-1] < evals[0]  # from step 25 (on this corpus the loss flattens after ~50 steps)
+    # Accuracies are reported next to the losses, on every eval step, and in the summary.
+    accs = [(r["eval_mlm_acc"], r["eval_nsp_acc"]) for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
+    assert len(accs) == len(evals) and all(0 <= a <= 1 and 0 <= b <= 1 for a, b in accs)
+    assert (summary["final_eval_mlm_acc"], summary["final_eval_nsp_acc"]) == accs[-1]
+    assert accs[-1][0] > 1 / vocab  # better than a uniform guess: at least the frequent tokens
+
+
+def test_eval_accuracy_counts_masked_tokens_and_sentence_pairs():
+    """The hits of one batch, by hand: logits for the masked positions only, row-major."""
+    from types import SimpleNamespace
+
+    from gradzip.training.evaluate import _hits
+
+    labels = torch.tensor([[-100, 3, -100, 1], [2, -100, -100, -100]])  # masked targets 3, 1, 2
+    logits = torch.zeros(3, 5)
+    logits[0, 3] = logits[1, 4] = logits[2, 2] = 1.0  # right, wrong, right
+    nsp = torch.tensor([[0.0, 1.0], [1.0, 0.0]])  # predicts 1, 0
+    out = SimpleNamespace(prediction_logits=logits, seq_relationship_logits=nsp)
+    assert _hits(out, {"labels": labels, "next_sentence_label": torch.tensor([1, 1])}) == [2.0, 3.0, 1.0, 2.0]
 
 
 def test_existing_out_is_refused_and_untouched(tmp_path, tiny, capsys):

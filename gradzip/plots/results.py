@@ -402,6 +402,10 @@ def results_rows(col: Collection, target: Target | None = None) -> tuple[list[st
     target = target or col.target
     vary = [k for k in col.varying() if k != "compressor"]
     header = ["run", "compressor", *vary, "final_eval_loss", "delta_vs_none"]
+    # Accuracies where the runs report them (runs made before they existed have none).
+    accs = [k for k in ("final_eval_mlm_acc", "final_eval_nsp_acc")
+            if any((r.summary or {}).get(k) is not None for r in col.runs)]
+    header += accs
     if target:
         header += ["steps_to_target", "time_to_target_s"]
     header += ["clock", "mb_per_step", "compression_ratio", "samples_per_s"]
@@ -413,6 +417,7 @@ def results_rows(col: Collection, target: Target | None = None) -> tuple[list[st
         if base is not None and r.final_eval_loss is not None and base.final_eval_loss is not None:
             delta = r.final_eval_loss - base.final_eval_loss
         row: list[Any] = [r.name, r.compressor, *(r.value(k) for k in vary), r.final_eval_loss, delta]
+        row += [(r.summary or {}).get(k) for k in accs]
         if target:
             hit = r.time_to_target(target)
             row += [hit[0] if hit else None, hit[1] if hit else None]
@@ -423,7 +428,8 @@ def results_rows(col: Collection, target: Target | None = None) -> tuple[list[st
 
 _TITLES = {
     "run": "run", "compressor": "compressor", "final_eval_loss": "final eval loss",
-    "delta_vs_none": "Δ vs none", "steps_to_target": "steps to target", "time_to_target_s": "time to target (s)",
+    "delta_vs_none": "Δ vs none", "final_eval_mlm_acc": "MLM acc", "final_eval_nsp_acc": "NSP acc",
+    "steps_to_target": "steps to target", "time_to_target_s": "time to target (s)",
     "clock": "clock", "mb_per_step": "MB/step", "compression_ratio": "compression ×", "samples_per_s": "samples/s",
 }
 

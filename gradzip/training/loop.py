@@ -153,8 +153,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             eval_now = step == last or (cfg.eval_every and step % cfg.eval_every == 0)
             if runtime.is_main and cfg.eval_batches and eval_now:
                 ev = evaluate(model, data, cfg, precision, runtime.device)
-                rec.eval_loss, rec.eval_mlm_loss, rec.eval_nsp_loss = (ev.get(k) for k in
-                                                                       ("eval_loss", "eval_mlm_loss", "eval_nsp_loss"))
+                for k in ("eval_loss", "eval_mlm_loss", "eval_nsp_loss", "eval_mlm_acc", "eval_nsp_acc"):
+                    setattr(rec, k, ev.get(k))
             log.write(rec)
             bar.update(rec, tokens)
             if cfg.max_skips and progress["skips_in_a_row"] >= cfg.max_skips:

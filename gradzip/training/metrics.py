@@ -22,7 +22,8 @@ skipped        true when some rank's gradient had an inf or NaN: every rank skip
                step and the compressors' state updates (the LR schedule still advances)
 clock          "modelled" (``sim``: α–β network model) or "measured" (real backends)
 host_s         real seconds since the run started, cumulative over resumes
-eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``)
+eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``), masked-token
+               accuracy ``eval_mlm_acc`` (top-1 over the masked positions) and ``eval_nsp_acc``
 =============  =========================================================================
 
 :class:`StepRecord` is that record, typed; the loop fills one per step.
@@ -71,6 +72,8 @@ class StepRecord:
     eval_loss: float | None = None
     eval_mlm_loss: float | None = None
     eval_nsp_loss: float | None = None
+    eval_mlm_acc: float | None = None
+    eval_nsp_acc: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object; the eval fields only on steps that evaluated."""
@@ -137,6 +140,8 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
     summary = {
         "final_loss": last.get("loss"),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "final_eval_mlm_acc": evals[-1].get("eval_mlm_acc") if evals else None,
+        "final_eval_nsp_acc": evals[-1].get("eval_nsp_acc") if evals else None,
         "steps": int(last.get("step", 0)),
         "tokens": tokens,
         "samples": int(last.get("samples", 0)),
