@@ -65,9 +65,10 @@ class OneBitAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def _local_momentum(self, bucket: Any, buf: Tensor) -> None:
         """In place: the bucket's local gradient g → m_i = β1·m + (1−β1)·g."""
-        beta1 = {id(p): g["betas"][0] for g in self.param_groups for p in g["params"]}
+        if not hasattr(self, "_beta1"):  # the groups' β1 by parameter, once (groups do not change)
+            self._beta1 = {id(p): g["betas"][0] for g in self.param_groups for p in g["params"]}
         for p, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
-            b1 = beta1.get(id(p), 0.0)
+            b1 = self._beta1.get(id(p), 0.0)
             seg = buf.narrow(0, off, n).mul_(1 - b1)
             m = self.state.get(p, {}).get("exp_avg")
             if m is not None:
