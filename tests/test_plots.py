@@ -19,7 +19,8 @@ import pytest
 from gradzip.cli import main
 from gradzip.plots.figures import crossover
 from gradzip.plots.report import make_report
-from gradzip.plots.results import FIGURES, Target, load_runs, results_csv, results_markdown
+from gradzip.plots.results import FIGURES, Target, load_runs
+from gradzip.plots.table import results_csv, results_markdown
 
 RATIO = {"none": 1.0, "fp16": 2.0, "topk:ratio=0.01,ef=true": 50.0}
 FULL_BYTES = 4.0e6

@@ -110,6 +110,25 @@ class PretrainData:
         return (f"{self.corpus.description}: {self.corpus.num_bytes / 1e6:.1f} MB, {self.corpus.num_docs} documents; "
                 f"vocab {self.vocab_size}; {self.num_train} train / {self.num_eval} eval examples of {self.seq_len}")
 
+    def unigram_reference(self) -> tuple[float, float]:
+        """``(entropy, top_rate)`` of the training set's token frequencies, special tokens excluded.
+
+        The entropy (in nats) is the masked-LM loss of a model that ignores context and predicts
+        every masked token from corpus frequencies alone: the "unigram plateau" that training
+        reaches first. ``top_rate`` is the accuracy of always guessing the most frequent token."""
+        ex = self.train
+        if len(ex) == 0:
+            return float("nan"), float("nan")
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        pos = np.arange(self.seq_len)[None, :]
+        for start in range(0, len(ex), 4096):  # chunks keep the memmap read bounded
+            ids = np.asarray(ex.ids[start:start + 4096]).astype(np.int64)
+            real = pos < ex.length[start:start + 4096, None]
+            counts += np.bincount(ids[real], minlength=self.vocab_size)[:self.vocab_size]
+        counts[np.asarray(self.tokenizer.special_ids, dtype=np.int64)] = 0
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum()), float(p.max())
+
     def _set(self, split: str) -> ExampleSet:
         if split not in _SPLITS:
             raise GradzipError(f"unknown split {split!r}; use 'train' or 'eval'")

@@ -18,6 +18,10 @@ Format (read with the standard library's :mod:`tomllib`)::
     # An axis of tables sets several keys together (not a product of them); `label` names the value.
     # method = [{compressor = "none"}, {label = "fp32-acc4", compressor = "none", accumulation = 4}]
 
+    repeats = 3                               # optional: every cell with seeds seed, seed+1, seed+2
+    # or only some cells (the others run once, with [base]'s seed):
+    # repeats = { n = 3, where = { compressor = ["none", "fp16"] } }
+
     [target]                                  # optional: time-to-target column and figures
     loss = 6.5
     metric = "loss"                           # "loss" (EMA-smoothed training loss) or "eval_loss"
@@ -45,6 +49,10 @@ Contract:
   spec, so a re-run finds finished cells), e.g.
   ``compressor=topk-ratio=0.01-ef=true__bandwidth=1gbit__seed=0``; names longer than
   :data:`MAX_NAME` characters are shortened and end in a hash of the full name.
+- ``repeats`` runs a cell under several seeds: ``seed`` (from ``[base]``, default 0) plus 0, 1, ...
+  Every cell's name then ends in ``__seed=S`` and its ``seed`` is one of its grid values, so
+  tables and figures aggregate over it (:mod:`gradzip.plots.seeds`). ``seed`` may not also be a
+  grid axis. ``where`` selects cells like ``[plot.where]`` and must match at least one.
 """
 
 from __future__ import annotations
@@ -60,11 +68,13 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError, SpecError
-from gradzip.plots.results import FIGURES, describe_where, matches_where
+from gradzip.plots.results import FIGURE_CHOICES, describe_where, is_figure, matches_where
 from gradzip.training.config import TrainConfig
 
 MAX_NAME = 120
-TOP_KEYS = {"name", "description", "base", "grid", "target", "plot"}
+TOP_KEYS = {"name", "description", "base", "grid", "target", "plot", "repeats"}
+REPEATS_KEYS = {"n", "where"}
+MAX_REPEATS = 100
 TARGET_KEYS = {"loss", "metric", "smoothing"}
 PLOT_KEYS = {"figures", "captions", "title", "where"}
 RUNNER_KEYS = {"out", "resume"}  # set per cell by the runner
@@ -131,6 +141,8 @@ class Spec:
     grid: dict[str, list[Any]]
     target: Target | None = None
     plot: PlotOptions = field(default_factory=PlotOptions)
+    repeats: int = 1
+    repeats_where: dict[str, Any] | None = None  # None: every cell is repeated
     cells: list[Cell] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -142,6 +154,7 @@ class Spec:
             "grid": self.grid,
             "target": dataclasses.asdict(self.target) if self.target else None,
             "plot": dataclasses.asdict(self.plot),
+            "repeats": {"n": self.repeats, "where": self.repeats_where},
         }
 
 
@@ -327,16 +340,16 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
         _check_keys("[plot]", p, PLOT_KEYS, src)
         if "figures" in p:
             figs = p["figures"]
-            _expect(figs, list, "[plot] 'figures'", src, f"a list of figure names ({', '.join(FIGURES)})")
+            _expect(figs, list, "[plot] 'figures'", src, f"a list of figure names ({FIGURE_CHOICES})")
             for fig in figs:
-                if fig not in FIGURES:
-                    raise SpecError(f"{src}: [plot] unknown figure {fig!r}; valid: {', '.join(FIGURES)}")
+                if not is_figure(fig):
+                    raise SpecError(f"{src}: [plot] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
             plot.figures = list(figs)
         caps = p.get("captions", {})
         _expect(caps, dict, "[plot.captions]", src, "a table of figure name = caption")
         for fig, text in caps.items():
-            if fig not in FIGURES:
-                raise SpecError(f"{src}: [plot.captions] unknown figure {fig!r}; valid: {', '.join(FIGURES)}")
+            if not is_figure(fig):
+                raise SpecError(f"{src}: [plot.captions] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
             _expect(text, str, f"[plot.captions] {fig!r}", src, "a string")
         plot.captions = dict(caps)
         if "title" in p:
@@ -344,14 +357,36 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
             plot.title = p["title"]
         plot.where = _check_where(p.get("where", {}), src)
 
+    repeats, repeats_where = _check_repeats(raw.get("repeats", 1), grid, src)
     validate_config(dict(base), src, "[base]")
-    spec = Spec(src, name, description, dict(base), {k: list(v) for k, v in grid.items()}, target, plot)
+    spec = Spec(src, name, description, dict(base), {k: list(v) for k, v in grid.items()}, target, plot,
+                repeats, repeats_where)
     spec.cells = expand(spec)
     defaults = TrainConfig()  # a key no cell sets has its default
+    if repeats_where and len(spec.cells) == len(list(itertools.product(*spec.grid.values()))):
+        raise SpecError(f"{src}: repeats where = {{{describe_where(repeats_where)}}} matches no cell of the grid")
     for fig, where in plot.where.items():
         if not any(matches_where(lambda k, c=c: c.config.get(k, getattr(defaults, k)), where) for c in spec.cells):
             raise SpecError(f"{src}: [plot.where] {fig} = {{{describe_where(where)}}} matches no cell of the grid")
     return spec
+
+
+def _check_repeats(value: Any, grid: dict[str, Any], src: Path) -> tuple[int, dict[str, Any] | None]:
+    """``repeats = N`` or ``repeats = {n = N, where = {...}}`` -> (N, where or None)."""
+    where = None
+    if isinstance(value, dict):
+        _check_keys("repeats", value, REPEATS_KEYS, src)
+        if "n" not in value:
+            raise SpecError(f"{src}: repeats needs 'n', the number of seeds, e.g. repeats = {{ n = 3 }}")
+        if "where" in value:
+            where = _check_where({"loss_steps": value["where"]}, src)["loss_steps"]
+        value = value["n"]
+    _expect(value, int, "'repeats'", src, f"a whole number of seeds from 1 to {MAX_REPEATS}")
+    if not 1 <= value <= MAX_REPEATS:
+        raise SpecError(f"{src}: 'repeats' must be from 1 to {MAX_REPEATS} seeds, got {value}")
+    if value > 1 and "seed" in grid:
+        raise SpecError(f"{src}: seed is a [grid] axis and repeats is set; give the seeds in one place")
+    return value, where
 
 
 def _check_where(where: Any, src: Path) -> dict[str, dict[str, Any]]:
@@ -360,8 +395,8 @@ def _check_where(where: Any, src: Path) -> dict[str, dict[str, Any]]:
     keys = _train_keys() - NOT_IN_SPECS
     out: dict[str, dict[str, Any]] = {}
     for fig, table in where.items():
-        if fig not in FIGURES:
-            raise SpecError(f"{src}: [plot.where] unknown figure {fig!r}; valid: {', '.join(FIGURES)}")
+        if not is_figure(fig):
+            raise SpecError(f"{src}: [plot.where] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
         _expect(table, dict, f"[plot.where] {fig!r}", src, "a table of train keys, e.g. { workers = 8 }")
         if not table:
             raise SpecError(f"{src}: [plot.where] {fig!r} is empty; give keys to select runs, e.g. {{ workers = 8 }}, "
@@ -387,6 +422,7 @@ def expand(spec: Spec) -> list[Cell]:
     keys of its table), so plots and tables see e.g. ``compressor`` and ``accumulation``.
     """
     axes = list(spec.grid)
+    defaults = TrainConfig()
     cells: list[Cell] = []
     seen: dict[str, Any] = {}
     for values in itertools.product(*(spec.grid[a] for a in axes)):
@@ -401,5 +437,13 @@ def expand(spec: Spec) -> list[Cell]:
             raise SpecError(f"{spec.path}: cells {seen[name]} and {params} get the same directory name {name!r}")
         seen[name] = params
         validate_config(config, spec.path, f"cell {name}")
-        cells.append(Cell(params, config, name))
+        if spec.repeats == 1:
+            cells.append(Cell(params, config, name))
+            continue
+        base_seed = int(config.get("seed", defaults.seed))
+        chosen = spec.repeats_where is None or matches_where(lambda k, c=config: c.get(k, getattr(defaults, k)),
+                                                             spec.repeats_where)
+        for i in range(spec.repeats if chosen else 1):
+            seed = base_seed + i
+            cells.append(Cell({**params, "seed": seed}, {**config, "seed": seed}, f"{name}__seed={seed}"))
     return cells

@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 
 from gradzip.plots.report import make_report, print_report
-from gradzip.plots.results import FIGURES, Target
+from gradzip.plots.results import FIGURE_CHOICES, Target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", metavar="DIR", help="a run directory (gradzip train --out) or a sweep directory")
     parser.add_argument("--out", metavar="DIR", help="where to write figures/ and results.* (default: DIR)")
     parser.add_argument("--figures", metavar="LIST",
-                        help=f"comma-separated figures to draw (default: all the data supports): {', '.join(FIGURES)}")
+                        help=f"comma-separated figures to draw (default: all the data supports): {FIGURE_CHOICES}, "
+                        "e.g. eval_mlm_acc_steps")
     parser.add_argument("--target", type=float, metavar="LOSS",
                         help="loss for the time-to-target columns (default: the sweep spec's [target])")
     parser.add_argument("--target-metric", choices=("loss", "eval_loss"), default="loss",

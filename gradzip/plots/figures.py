@@ -21,7 +21,16 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter
 
 from gradzip.plots import style
-from gradzip.plots.results import NOT_BYTES_KEYS, Collection, Run, Target, centred_mean, describe_where
+from gradzip.plots.results import (
+    DEFAULT_METRIC_FIGURES,
+    NOT_BYTES_KEYS,
+    Collection,
+    Run,
+    Target,
+    centred_mean,
+    describe_where,
+    reference,
+)
 
 CLOCK_TEXT = {
     "modelled": "modelled (the sim backend's virtual clock: measured computation plus communication from "
@@ -228,7 +237,10 @@ def _loss_figure(col: Collection, pal: style.Palette, x: str, target: Target | N
                         markeredgewidth=1.2)
         if target:
             ax.axhline(target.loss, color="0.4", linewidth=0.8, linestyle="--", label=f"target {target.loss:g}")
+        if ref is not None:
+            ax.axhline(ref[0], color="0.55", linewidth=0.9, linestyle=":", label=ref[1])
 
+    ref = reference(col.runs, "loss")
     clock = clock_of(col.runs)
     xlabel = "optimizer step (count)" if x == "steps" else f"wall-clock time (s, {clock})"
     fig, pn = _facetted(col, set(), draw, xlabel, "MLM + NSP loss (nats)", sharey=True,
@@ -239,6 +251,8 @@ def _loss_figure(col: Collection, pal: style.Palette, x: str, target: Target | N
     groups = series(col)
     caption = (f"Training loss against {what}: lines are the training loss smoothed by a centred moving average "
                f"over {2 * half + 1} steps, faint lines the raw loss, open markers the held-out eval loss."
+               + (f" Dotted: the {ref[1]}, the loss of a model that predicts masked tokens from their corpus "
+                  "frequency and guesses next sentences at chance." if ref else "")
                + _seed_note(groups) + pn.text() + " "
                + (_clock_caption(col.runs) + " " if x == "time" else "") + _fixed_caption(col))
     return fig, " ".join(caption.split())
@@ -492,6 +506,14 @@ def _scale(name: str) -> Callable[..., Any]:
     return draw
 
 
+def _metric(name: str) -> Callable[..., Any]:
+    """The figure of one metrics.jsonl field (:mod:`gradzip.plots.metric_figures`)."""
+    def draw(*args: Any) -> Any:
+        from gradzip.plots.metric_figures import fig_metric
+        return fig_metric(name, *args)
+    return draw
+
+
 DRAW: dict[str, Callable[..., Any]] = {
     "loss_steps": fig_loss_steps,
     "loss_time": fig_loss_time,
@@ -526,12 +548,12 @@ def draw_all(col: Collection, out_dir: Path, figures: list[str] | None = None,
     for r in col.runs:
         pal.color(r.compressor)
     drawn, skipped = [], []
-    for name in figures or list(DRAW):
+    for name in figures or [*DRAW, *DEFAULT_METRIC_FIGURES]:
         sub = col.select(where.get(name))
         try:
             if not sub.runs:
                 raise Skip(f"no run matches [plot.where] {describe_where(where[name])}")
-            fig, auto = DRAW[name](sub, pal, target)
+            fig, auto = DRAW.get(name, _metric(name))(sub, pal, target)
         except Skip as e:
             skipped.append((name, str(e)))
             continue
@@ -539,7 +561,7 @@ def draw_all(col: Collection, out_dir: Path, figures: list[str] | None = None,
         if (captions or {}).get(name):
             # The spec's caption, plus the clock sentence so every time axis says what it is.
             caption = captions[name].strip()
-            if name in TIME_FIGURES:
+            if name in TIME_FIGURES or name.endswith("_time"):
                 caption += " " + _clock_caption(sub.runs)
         if where.get(name):
             caption += f" Drawn from the runs with {describe_where(where[name])} only."

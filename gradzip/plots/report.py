@@ -15,7 +15,8 @@ from pathlib import Path
 from gradzip.errors import GradzipError
 from gradzip.io import atomic_write_text
 from gradzip.plots.figures import draw_all
-from gradzip.plots.results import FIGURES, Collection, Target, load_runs, results_csv, results_markdown
+from gradzip.plots.results import FIGURE_CHOICES, Collection, Target, is_figure, load_runs
+from gradzip.plots.table import results_csv, results_markdown
 
 
 @dataclass
@@ -39,8 +40,8 @@ def make_report(path: str | Path, out: str | Path | None = None, figures: list[s
     plot_opts = col.spec.get("plot") or {}
     figures = figures or plot_opts.get("figures") or None
     for f in figures or []:
-        if f not in FIGURES:
-            raise GradzipError(f"unknown figure {f!r}; choose from {', '.join(FIGURES)}")
+        if not is_figure(f):
+            raise GradzipError(f"unknown figure {f!r}; choose from {FIGURE_CHOICES}")
     target = target or col.target
     captions = {**(plot_opts.get("captions") or {}), **(captions or {})}
 

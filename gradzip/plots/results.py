@@ -11,8 +11,6 @@ the number and from ``metrics.jsonl`` otherwise, so figures and tables agree.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import tomllib
@@ -38,9 +36,62 @@ FIGURES: dict[str, str] = {
     "throughput_workers": "throughput (samples/s) against workers, per method",
 }
 
+# metrics.jsonl fields that a figure can put on its y axis, as ``<field>_steps`` (against optimizer
+# steps) or ``<field>_time`` (against the run's clock), with their axis labels.
+METRICS: dict[str, str] = {
+    "loss": "MLM + NSP loss (nats)", "mlm_loss": "masked-LM loss (nats)", "nsp_loss": "next-sentence loss (nats)",
+    "lr": "learning rate", "tokens": "tokens processed (count)", "samples": "samples processed (count)",
+    "step_s": "step time (s)", "wall_s": "cumulative time (s)", "compute_s": "compute time per step (s)",
+    "compress_s": "compression time per step (s)", "comm_s": "exposed communication per step (s)",
+    "opt_s": "optimizer time per step (s)", "bytes_sent": "bytes sent per rank per step",
+    "bytes_recv": "bytes received per rank per step", "bytes_inter": "bytes sent between nodes per step",
+    "grad_norm": "gradient norm (before clipping)", "host_s": "host seconds since start",
+    "eval_loss": "held-out MLM + NSP loss (nats)", "eval_mlm_loss": "held-out masked-LM loss (nats)",
+    "eval_nsp_loss": "held-out next-sentence loss (nats)", "eval_mlm_acc": "masked-token accuracy (top-1)",
+    "eval_nsp_acc": "next-sentence accuracy",
+}
+# Drawn by default besides FIGURES, when the runs have the metric.
+DEFAULT_METRIC_FIGURES = ("eval_mlm_loss_steps", "eval_mlm_acc_steps")
+
+
+def metric_figure(name: str) -> tuple[str, str] | None:
+    """``eval_mlm_acc_steps`` -> ("eval_mlm_acc", "steps"); None if ``name`` is not a metric figure."""
+    for x in ("steps", "time"):
+        metric = name.removesuffix("_" + x)
+        if metric != name and metric in METRICS:
+            return metric, x
+    return None
+
+
+def is_figure(name: str) -> bool:
+    return name in FIGURES or metric_figure(name) is not None
+
+
+FIGURE_CHOICES = ", ".join(FIGURES) + ", or METRIC_steps / METRIC_time for a metrics.jsonl field METRIC"
+
+
+def reference(runs: list[Run], metric: str) -> tuple[float, str] | None:
+    """The context-free reference level of ``metric`` from the runs' summaries (the data's unigram
+    entropy H, reported by gradzip train), with its legend label; None when unknown."""
+    hs = [float(r.summary["unigram_entropy"]) for r in runs if (r.summary or {}).get("unigram_entropy")]
+    tops = [float(r.summary["top_token_rate"]) for r in runs if (r.summary or {}).get("top_token_rate")]
+    if metric in ("mlm_loss", "eval_mlm_loss") and hs:
+        h = sum(hs) / len(hs)
+        return h, f"unigram entropy H = {h:.2f} (no context)"
+    if metric in ("loss", "eval_loss") and hs:
+        h = sum(hs) / len(hs) + math.log(2)
+        return h, f"unigram plateau H + ln 2 = {h:.2f}"
+    if metric == "eval_mlm_acc" and tops:
+        t = sum(tops) / len(tops)
+        return t, f"most frequent token {t:.3f}"
+    if metric == "eval_nsp_acc":
+        return 0.5, "chance 0.5"
+    return None
+
+
 # Config keys that never distinguish runs (paths, resume flags, logging cadence).
 IGNORED_KEYS = {"out", "resume", "checkpoint_every", "eval_every", "eval_batches", "keep_checkpoints", "progress",
-                "config", "stop_at", "timeout"}
+                "config", "stop_at", "timeout", "log"}
 # Keys that do not change the bytes on the wire (for the bytes-per-step figure).
 NOT_BYTES_KEYS = {"bandwidth", "latency", "seed", "lr", "warmup", "clip"}
 
@@ -374,110 +425,3 @@ def load_runs(path: str | Path) -> Collection:
         raise GradzipError(f"no finished runs found in {str(root)!r} (a run directory holds metrics.jsonl; "
                            "a sweep directory holds sweep.json)")
     return Collection(root, runs, sweep)
-
-
-# -- the results table ---------------------------------------------------------------------------
-
-def baseline_of(run: Run, runs: list[Run], vary: list[str]) -> Run | None:
-    """The ``none`` run whose other varying parameters equal ``run``'s."""
-    others = [k for k in vary if k != "compressor"]
-    for b in runs:
-        if b.compressor_family == "none" and all(_hashable(b.value(k)) == _hashable(run.value(k)) for k in others):
-            return b
-    return None
-
-
-def _fmt(v: float | None, digits: int = 4) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    if v != 0 and abs(v) < 1e-3:
-        return f"{v:.{digits - 1}e}"
-    return f"{v:.{digits}g}"
-
-
-def results_rows(col: Collection, target: Target | None = None) -> tuple[list[str], list[list[Any]]]:
-    """Header and rows (raw values) of the results table, one row per run."""
-    target = target or col.target
-    vary = [k for k in col.varying() if k != "compressor"]
-    header = ["run", "compressor", *vary, "final_eval_loss", "delta_vs_none"]
-    # Accuracies where the runs report them (runs made before they existed have none).
-    accs = [k for k in ("final_eval_mlm_acc", "final_eval_nsp_acc")
-            if any((r.summary or {}).get(k) is not None for r in col.runs)]
-    header += accs
-    if target:
-        header += ["steps_to_target", "time_to_target_s"]
-    header += ["clock", "mb_per_step", "compression_ratio", "samples_per_s"]
-    rows = []
-    all_vary = col.varying()
-    for r in col.runs:
-        base = baseline_of(r, col.runs, all_vary)
-        delta = None
-        if base is not None and r.final_eval_loss is not None and base.final_eval_loss is not None:
-            delta = r.final_eval_loss - base.final_eval_loss
-        row: list[Any] = [r.name, r.compressor, *(r.value(k) for k in vary), r.final_eval_loss, delta]
-        row += [(r.summary or {}).get(k) for k in accs]
-        if target:
-            hit = r.time_to_target(target)
-            row += [hit[0] if hit else None, hit[1] if hit else None]
-        row += [r.clock, r.mb_per_step, r.compression_ratio, r.samples_per_s]
-        rows.append(row)
-    return header, rows
-
-
-_TITLES = {
-    "run": "run", "compressor": "compressor", "final_eval_loss": "final eval loss",
-    "delta_vs_none": "Δ vs none", "final_eval_mlm_acc": "MLM acc", "final_eval_nsp_acc": "NSP acc",
-    "steps_to_target": "steps to target", "time_to_target_s": "time to target (s)",
-    "clock": "clock", "mb_per_step": "MB/step", "compression_ratio": "compression ×", "samples_per_s": "samples/s",
-}
-
-
-def results_markdown(col: Collection, target: Target | None = None) -> str:
-    target = target or col.target
-    header, rows = results_rows(col, target)
-    show_run = len({r.name for r in col.runs}) > 1 and len(header) > 0
-    idx = [i for i, h in enumerate(header) if h != "run" or show_run]
-    def numeric(i: int) -> bool:
-        vals = [row[i] for row in rows if row[i] is not None]
-        return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
-
-    lines = ["| " + " | ".join(_TITLES.get(header[i], header[i]) for i in idx) + " |",
-             "|" + "|".join("---:" if numeric(i) or header[i] == "delta_vs_none" else "---" for i in idx) + "|"]
-    ci = header.index("compressor")
-    for row in rows:
-        cells = []
-        for i in idx:
-            h, v = header[i], row[i]
-            if h == "delta_vs_none" and str(row[ci]).split(":")[0].strip() == "none":
-                cells.append("baseline")
-            elif h == "delta_vs_none" and v is None:
-                cells.append("—")
-            elif h == "delta_vs_none":
-                cells.append(f"{v if abs(v) >= 5e-5 else 0.0:+.4f}")  # no "-0.0000"
-            elif h == "compressor":
-                cells.append(f"`{v}`")
-            elif isinstance(v, float):
-                cells.append(_fmt(v, 3 if h == "compression_ratio" else 4) + ("×" if h == "compression_ratio" else ""))
-            else:
-                cells.append("—" if v is None else str(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    notes = ["", f"{len(rows)} run(s). Δ vs none: final eval loss minus that of the `none` run with otherwise "
-             "equal parameters. MB/step: megabytes (10^6 B) sent per rank per optimizer step. "
-             "compression ×: fp32 bytes / bytes sent. samples/s: global samples per second on the run's clock, "
-             "first step (warm-up) excluded."]
-    if target:
-        what = "eval loss" if target.metric == "eval_loss" else f"training loss (EMA {target.smoothing:g})"
-        notes.append(f"Target: {what} ≤ {target.loss:g}; time is cumulative on each run's clock (— = not reached).")
-    return "\n".join(lines + notes) + "\n"
-
-
-def results_csv(col: Collection, target: Target | None = None) -> str:
-    header, rows = results_rows(col, target)
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(header)
-    for row in rows:
-        w.writerow(["" if v is None else (repr(v) if isinstance(v, float) else v) for v in row])
-    return buf.getvalue()

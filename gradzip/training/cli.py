@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--lr", "peak learning rate", type=float)
     flag(g, "--warmup", "linear warm-up in steps, or a fraction of --steps if below 1; then linear decay "
          "to 0 at --steps", type=float)
+    flag(g, "--dropout", "BERT's hidden and attention dropout probability (0 for short runs that should "
+         "learn fast)", type=float)
     flag(g, "--weight-decay", "decoupled; not applied to biases and LayerNorm", type=float)
     flag(g, "--clip", "clip the global gradient norm to this (0: off)", type=float)
     flag(g, "--precision", "fp32; bf16 autocast (CPU or CUDA); fp16 autocast + gradient scaling (CUDA only)",
@@ -121,6 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          show_default=False, action="store_true")
     flag(g, "--config", "settings file; keys as the flags (batch-size or batch_size); flags override it",
          show_default=False, metavar="FILE.toml")
+    flag(g, "--log", "also stream metrics.jsonl's records to these sinks (comma-separated): tensorboard, wandb "
+         "(offline), mlflow (local files); each needs its extra, e.g. pip install 'gradzip[tensorboard]'",
+         show_default=False, metavar="SINKS")
     flag(g, "--no-progress", "no progress bar", show_default=False, dest="progress", action="store_false")
 
 

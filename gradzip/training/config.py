@@ -35,6 +35,7 @@ from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
 from gradzip.models import bert_config
 from gradzip.netem.spec import parse_netem
+from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
 BACKENDS = ("sim", "gloo", "nccl", "mpi")
@@ -47,12 +48,12 @@ DEVICES = ("auto", "cpu", "cuda")
 # (``steps`` may change to extend a run; the LR schedule then follows the new length.)
 RESUME_MUTABLE = frozenset({
     "steps", "stop_at", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-    "timeout", "progress", "resume", "config", "out", "netem", "max_skips",
+    "timeout", "progress", "resume", "config", "out", "netem", "max_skips", "log",
 })
 # Fields not written to a run's config.toml: they describe one invocation, not the run (so that
 # `--resume` after `--stop-at` does not stop again at the same step).
 # Fields a rank may set differently from the others: they change no collective and no result.
-RANK_LOCAL = frozenset({"progress", "config", "timeout"})
+RANK_LOCAL = frozenset({"progress", "config", "timeout", "log"})
 _NOT_SAVED = frozenset({"resume", "config", "stop_at"})
 
 
@@ -86,6 +87,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     precision: str = "fp32"
     clip: float = 1.0
+    dropout: float = 0.1  # BERT's hidden and attention dropout
     seed: int = 0
     max_skips: int = 10  # consecutive steps skipped for a non-finite gradient before the run stops (0: never)
     freeze_step: float = 0.2  # onebit-adam/-lamb: warm-up steps (below 1: a fraction of --steps)
@@ -102,6 +104,7 @@ class TrainConfig:
     resume: bool = False
     config: str | None = None
     progress: bool = True
+    log: str | None = None  # live-curve sinks beside metrics.jsonl: tensorboard, wandb, mlflow (comma-separated)
     # -- engine and backends
     bucket_cap_mb: float = 25.0
     min_compress_numel: int = 1024
@@ -157,6 +160,8 @@ class TrainConfig:
             v = getattr(self, key)
             if not (math.isfinite(v) and v >= 0):
                 raise bad(key, f"must be >= 0 (0 turns it off), got {v}")
+        if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
+            raise bad("dropout", f"must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(self.warmup) and self.warmup >= 0):
             raise bad("warmup", f"must be >= 0 (steps, or a fraction of --steps below 1), got {self.warmup}")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
@@ -195,6 +200,10 @@ class TrainConfig:
                 parse_netem(self.netem)
             except GradzipError as e:
                 raise GradzipError(f"{_pre(source)}{e}") from None
+        try:
+            parse_log(self.log)
+        except GradzipError as e:
+            raise GradzipError(f"{_pre(source)}{e}") from None
         self._check_names(source)
 
     @property
@@ -236,6 +245,7 @@ class TrainConfig:
             raise GradzipError("--backend nccl needs --device cuda (or auto)")
         if self.precision == "fp16" and self.resolved_device != "cuda":
             raise GradzipError("--precision fp16 needs a CUDA device (gradient scaling); on CPU use bf16 or fp32")
+        check_available(parse_log(self.log))
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -34,6 +34,7 @@ from gradzip.training import checkpoint
 from gradzip.training.config import TrainConfig, write_toml
 from gradzip.training.evaluate import evaluate, to_device
 from gradzip.training.faults import FaultPlan
+from gradzip.training.loggers import open_sinks, parse_log
 from gradzip.training.metrics import MetricsLog, StepRecord, read_metrics, summarize, truncate_metrics, write_summary
 from gradzip.training.optim import WarmupDecay, build_optimizer
 from gradzip.training.precision import Precision
@@ -52,6 +53,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg.check_runtime()
     faults = FaultPlan.from_env()  # GRADZIP_FAULT: chaos tests (gradzip.training.faults)
     runtime = create_runtime(cfg)
+    log: MetricsLog | None = None
     try:
         if runtime.comm is not None:  # the launcher decides the world size, not --workers
             cfg = cfg.replace(workers=runtime.num_workers)
@@ -64,7 +66,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # -- data and model (same seed: same initial weights on every rank) --------------------
         seed_everything(cfg.seed)
         data = build_data(cfg, runtime)
-        model_cfg = bert_config(cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len))
+        model_cfg = bert_config(cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len),
+                                hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
         model = BertForPreTraining(model_cfg).to(runtime.device)
         params = [p for p in model.parameters() if p.requires_grad]
 
@@ -90,7 +93,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             write_toml(cfg, out / "config.toml")
             if progress["step"] == 0 and cfg.eval_batches:
                 progress["initial_eval_loss"] = evaluate(model, data, cfg, precision, runtime.device).get("eval_loss")
-        log = MetricsLog(metrics_path, enabled=runtime.is_main)
+        sinks = open_sinks(parse_log(cfg.log), out, cfg.to_dict(), progress["step"]) if runtime.is_main else []
+        log = MetricsLog(metrics_path, enabled=runtime.is_main, sinks=sinks)
 
         # -- the loop ----------------------------------------------------------------------------
         last, n = cfg.stop_at or cfg.steps, runtime.num_workers
@@ -166,6 +170,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 checkpoint.save_run(out, state, runtime, cfg.keep_checkpoints)
         bar.close()
         log.close()
+        log = None
 
         # -- summary (from the whole metrics file, so resumed runs are covered) ------------------
         if not runtime.is_main:
@@ -178,9 +183,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "precision": cfg.precision, "batch_size": cfg.batch_size, "accumulation": cfg.accumulation,
                 "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed, "params": sum(p.numel() for p in params),
                 "initial_eval_loss": progress["initial_eval_loss"], "out": str(out)}
+        # the unigram plateau: what an MLM that ignores context gets (loss) and guessing the top token (acc)
+        info["unigram_entropy"], info["top_token_rate"] = data.unigram_reference()
         none_bytes = allreduce_bytes(4 * info["params"], runtime.num_workers)  # fp32 ring allreduce of every gradient
         summary = summarize(read_metrics(metrics_path), info, none_bytes)
         write_summary(out, summary)
         return summary
     finally:
+        if log is not None:  # an error: still flush and close the live-curve sinks
+            log.close()
         runtime.close()

@@ -96,21 +96,30 @@ def truncate_metrics(path: str | os.PathLike[str], step: int) -> None:
 
 
 class MetricsLog:
-    """Appends one JSON line per step; a no-op on ranks other than 0 (``enabled=False``)."""
+    """Appends one JSON line per step; a no-op on ranks other than 0 (``enabled=False``).
 
-    def __init__(self, path: str | os.PathLike[str], enabled: bool = True) -> None:
+    ``sinks`` (:mod:`gradzip.training.loggers`) get each record after it is in the file."""
+
+    def __init__(self, path: str | os.PathLike[str], enabled: bool = True, sinks: list[Any] | None = None) -> None:
         self.path = Path(path)
         self._f = open(self.path, "a", encoding="utf-8") if enabled else None
+        self.sinks = list(sinks or []) if enabled else []
 
     def write(self, record: StepRecord) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(_clean(record.to_json())) + "\n")
+            rec = _clean(record.to_json())
+            self._f.write(json.dumps(rec) + "\n")
             self._f.flush()
+            for sink in self.sinks:
+                sink.log(rec)
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
 
 def _clean(rec: dict[str, Any]) -> dict[str, Any]:

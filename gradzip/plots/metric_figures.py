@@ -1,0 +1,83 @@
+"""Figures of any metrics.jsonl field: ``<metric>_steps`` and ``<metric>_time`` (e.g.
+``eval_mlm_acc_steps``, ``grad_norm_time``; the fields: :data:`gradzip.plots.results.METRICS`).
+
+One line per series (the mean over its seeds, with a min–max band when there are several). Eval
+metrics are drawn at their eval steps with markers; per-step losses and the gradient norm are
+smoothed like the loss figures. Where the context-free reference of a metric is known from the
+runs' summaries (the corpus's unigram entropy for the MLM loss, the most frequent token's rate for
+masked-token accuracy, chance for NSP accuracy), it is a dashed line.
+"""
+
+from __future__ import annotations
+
+from gradzip.plots import style
+from gradzip.plots.figures import (
+    Skip,
+    _clock_caption,
+    _facetted,
+    _fixed_caption,
+    _mean_curve,
+    _seed_note,
+    clock_of,
+    series,
+    smoothing_half_window,
+)
+from gradzip.plots.results import METRICS, Collection, Run, Target, centred_mean, metric_figure, reference
+
+SMOOTHED = {"loss", "mlm_loss", "nsp_loss", "grad_norm"}
+
+
+def fig_metric(name: str, col: Collection, pal: style.Palette, target: Target | None = None):
+    parsed = metric_figure(name)
+    if parsed is None:
+        raise Skip(f"{name!r} names no metric")
+    metric, x = parsed
+
+    def rows(r: Run) -> list[dict]:
+        return [m for m in r.metrics if m.get(metric) is not None and m.get("step") is not None]
+
+    runs = [r for r in col.runs if rows(r)]
+    if not runs:
+        raise Skip(f"no metrics.jsonl rows with {metric}")
+    col = Collection(col.root, runs, col.sweep)
+    half = smoothing_half_window(max(len(rows(r)) for r in runs)) if metric in SMOOTHED else 0
+    sparse = metric.startswith("eval_")
+
+    def xs_of(r: Run) -> list[float]:
+        return [float(m["step"] if x == "steps" else m.get("wall_s", 0.0)) for m in rows(r)]
+
+    def ys_of(r: Run) -> list[float]:
+        return centred_mean([float(m[metric]) for m in rows(r)], half)
+
+    ref = reference(runs, metric)
+
+    def draw(ax, sub: Collection) -> None:
+        for s in series(sub):
+            group = [r for r in s.runs if rows(r)]
+            if not group:
+                continue
+            color, (ls, marker) = pal.color(s.compressor), pal.style(s.secondary)
+            xs, mean, lo, hi = _mean_curve(group, xs_of, ys_of)
+            ax.plot(xs, mean, color=color, linestyle=ls, marker=marker if sparse else None, markersize=4,
+                    label=s.label + (f" ({s.clock})" if x == "time" else ""))
+            if len(group) > 1:
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+        if ref is not None:
+            ax.axhline(ref[0], color="0.35", linewidth=0.9, linestyle="--", label=ref[1])
+        if metric.startswith("bytes"):
+            ax.set_yscale("symlog")
+
+    clock = clock_of(runs)
+    xlabel = "optimizer step (count)" if x == "steps" else f"wall-clock time (s, {clock})"
+    fig, pn = _facetted(col, set(), draw, xlabel, METRICS[metric],
+                        single_width=7.2 if len(series(col)) > 6 else None)
+    if len(fig.axes) == 1:
+        fig.axes[0].set_title(f"{METRICS[metric]} against {'steps' if x == 'steps' else 'time'}")
+    caption = (f"{METRICS[metric][0].upper() + METRICS[metric][1:]} ({metric} in metrics.jsonl) against "
+               + ("optimizer steps" if x == "steps" else "cumulative wall-clock time")
+               + (f", smoothed by a centred moving average over {2 * half + 1} points" if half else "")
+               + (", at each evaluation" if sparse else "") + "."
+               + (f" Dashed: {ref[1]}." if ref else "") + _seed_note(series(col)) + pn.text() + " "
+               + (_clock_caption(runs) + " " if x == "time" else "") + _fixed_caption(col))
+    return fig, " ".join(caption.split())
+

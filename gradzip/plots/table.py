@@ -1,0 +1,204 @@
+"""The results table (``results.md``/``results.csv``): one row per run, or per seed group when some
+runs differ only by seed (:mod:`gradzip.plots.seeds`). Every number comes from
+:mod:`gradzip.plots.results`, so figures and tables agree."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gradzip.plots.results import Collection, Run, Target, _hashable
+from gradzip.plots.seeds import Stat, exceeds_spread, spread_of, stat
+
+# -- the results table ---------------------------------------------------------------------------
+
+def baseline_of(run: Run, runs: list[Run], vary: list[str]) -> Run | None:
+    """The ``none`` run whose other varying parameters equal ``run``'s."""
+    others = [k for k in vary if k != "compressor"]
+    for b in runs:
+        if b.compressor_family == "none" and all(_hashable(b.value(k)) == _hashable(run.value(k)) for k in others):
+            return b
+    return None
+
+
+def _fmt(v: float | None, digits: int = 4) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if v != 0 and abs(v) < 1e-3:
+        return f"{v:.{digits - 1}e}"
+    return f"{v:.{digits}g}"
+
+
+def run_groups(col: Collection) -> list[list[Run]]:
+    """Runs that differ only by ``seed``, grouped (in the runs' order); see :mod:`gradzip.plots.seeds`."""
+    vary = [k for k in col.varying() if k not in ("seed", "compressor")]
+    groups: dict[tuple, list[Run]] = {}
+    for r in col.runs:
+        groups.setdefault((r.compressor, *(_hashable(r.value(k)) for k in vary)), []).append(r)
+    return list(groups.values())
+
+
+@dataclass
+class Delta:
+    """Δ vs none of a seed group: difference of means, and whether it exceeds the seed spread."""
+
+    value: float | None
+    exceeds: bool | None
+    spread: float | None
+
+
+def _run_numbers(r: Run, target: Target | None, accs: list[str]) -> dict[str, Any]:
+    d: dict[str, Any] = {"final_eval_loss": r.final_eval_loss}
+    d.update({k: (r.summary or {}).get(k) for k in accs})
+    if target:
+        hit = r.time_to_target(target)
+        d.update(steps_to_target=hit[0] if hit else None, time_to_target_s=hit[1] if hit else None)
+    d.update(mb_per_step=r.mb_per_step, compression_ratio=r.compression_ratio, samples_per_s=r.samples_per_s)
+    return d
+
+
+def results_rows(col: Collection, target: Target | None = None) -> tuple[list[str], list[list[Any]]]:
+    """Header and rows of the results table: one row per run, or, when some runs differ only by
+    seed, one row per seed group whose numbers are :class:`~gradzip.plots.seeds.Stat` and whose
+    Δ vs none is a :class:`Delta`."""
+    target = target or col.target
+    groups = run_groups(col)
+    seeded = any(len(g) > 1 for g in groups)
+    vary = [k for k in col.varying() if k != "compressor" and not (seeded and k == "seed")]
+    # Accuracies where the runs report them (runs made before they existed have none).
+    accs = [k for k in ("final_eval_mlm_acc", "final_eval_nsp_acc")
+            if any((r.summary or {}).get(k) is not None for r in col.runs)]
+    numbers = ["final_eval_loss", "delta_vs_none", *accs]
+    if target:
+        numbers += ["steps_to_target", "time_to_target_s"]
+    numbers += ["clock", "mb_per_step", "compression_ratio", "samples_per_s"]
+    if not seeded:
+        rows = []
+        all_vary = col.varying()
+        for r in col.runs:
+            base = baseline_of(r, col.runs, all_vary)
+            d = _run_numbers(r, target, accs)
+            if base is not None and r.final_eval_loss is not None and base.final_eval_loss is not None:
+                d["delta_vs_none"] = r.final_eval_loss - base.final_eval_loss
+            d["clock"] = r.clock
+            rows.append([r.name, r.compressor, *(r.value(k) for k in vary), *(d.get(k) for k in numbers)])
+        return ["run", "compressor", *vary, *numbers], rows
+    stats = []
+    for g in groups:
+        per_run = [_run_numbers(r, target, accs) for r in g]
+        stats.append({k: stat([d[k] for d in per_run]) for k in per_run[0]})
+    rows = []
+    others = [k for k in col.varying() if k not in ("seed", "compressor")]
+    for g, st in zip(groups, stats):
+        first = g[0]
+        base = next((st_b for g_b, st_b in zip(groups, stats) if g_b[0].compressor_family == "none"
+                     and all(_hashable(g_b[0].value(k)) == _hashable(first.value(k)) for k in others)), None)
+        d: dict[str, Any] = dict(st)
+        a, b = st["final_eval_loss"], base["final_eval_loss"] if base else None
+        d["delta_vs_none"] = (Delta(a.mean - b.mean, exceeds_spread(a, b), spread_of(a, b))
+                              if b is not None and a.mean is not None and b.mean is not None else None)
+        d["clock"] = first.clock
+        rows.append([first.compressor, *(first.value(k) for k in vary), len(g), *(d.get(k) for k in numbers)])
+    return ["compressor", *vary, "seeds", *numbers], rows
+
+
+_TITLES = {
+    "run": "run", "compressor": "compressor", "final_eval_loss": "final eval loss",
+    "delta_vs_none": "Δ vs none", "final_eval_mlm_acc": "MLM acc", "final_eval_nsp_acc": "NSP acc",
+    "steps_to_target": "steps to target", "time_to_target_s": "time to target (s)",
+    "clock": "clock", "mb_per_step": "MB/step", "seeds": "seeds", "compression_ratio": "compression ×",
+    "samples_per_s": "samples/s",
+}
+
+
+def _cell(h: str, v: Any, compressor: str) -> str:
+    if h == "delta_vs_none" and compressor.split(":")[0].strip() == "none":
+        return "baseline"
+    if v is None:
+        return "—"
+    if isinstance(v, Delta):
+        if v.value is None:
+            return "—"
+        text = f"{v.value if abs(v.value) >= 5e-5 else 0.0:+.4f}"
+        if v.exceeds is None:
+            return text + " (1 seed)"
+        return text + (f" (> spread {v.spread:.4f})" if v.exceeds else f" (within spread {v.spread:.4f})")
+    if h == "delta_vs_none":
+        return f"{v if abs(v) >= 5e-5 else 0.0:+.4f}"  # no "-0.0000"
+    if h == "compressor":
+        return f"`{v}`"
+    digits = 3 if h == "compression_ratio" else 4
+    unit = "×" if h == "compression_ratio" else ""
+    if isinstance(v, Stat):
+        return v.text(lambda x: _fmt(x, digits)) + (unit if v.values else "")
+    if isinstance(v, float):
+        return _fmt(v, digits) + unit
+    return str(v)
+
+
+def results_markdown(col: Collection, target: Target | None = None) -> str:
+    target = target or col.target
+    header, rows = results_rows(col, target)
+    show_run = "run" in header and len({r.name for r in col.runs}) > 1
+    idx = [i for i, h in enumerate(header) if h != "run" or show_run]
+
+    def numeric(i: int) -> bool:
+        vals = [row[i] for row in rows if row[i] is not None]
+        return bool(vals) and all(isinstance(v, (int, float, Stat, Delta)) and not isinstance(v, bool) for v in vals)
+
+    lines = ["| " + " | ".join(_TITLES.get(header[i], header[i]) for i in idx) + " |",
+             "|" + "|".join("---:" if numeric(i) or header[i] == "delta_vs_none" else "---" for i in idx) + "|"]
+    ci = header.index("compressor")
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(header[i], row[i], str(row[ci])) for i in idx) + " |")
+    seeded = "seeds" in header
+    what = f"{len(rows)} configuration(s), {len(col.runs)} runs" if seeded else f"{len(rows)} run(s)"
+    notes = ["", f"{what}. Δ vs none: final eval loss minus that of the `none` run with otherwise "
+             "equal parameters. MB/step: megabytes (10^6 B) sent per rank per optimizer step. "
+             "compression ×: fp32 bytes / bytes sent. samples/s: global samples per second on the run's clock, "
+             "first step (warm-up) excluded."]
+    if seeded:
+        notes.append("Runs that differ only by seed are one row: the mean, with the min–max range for 2–3 seeds or "
+                     "± the standard deviation for 4 or more; Δ vs none is the difference of the means, marked "
+                     "> spread when it is larger than the wider min–max range of the two rows' seeds.")
+    if target:
+        what = "eval loss" if target.metric == "eval_loss" else f"training loss (EMA {target.smoothing:g})"
+        notes.append(f"Target: {what} ≤ {target.loss:g}; time is cumulative on each run's clock (— = not reached).")
+    return "\n".join(lines + notes) + "\n"
+
+
+def results_csv(col: Collection, target: Target | None = None) -> str:
+    """The table as CSV: a seed group's number ``x`` becomes ``x`` (the mean), ``x_std``, ``x_min``,
+    ``x_max``; its Δ vs none adds ``delta_exceeds_spread``."""
+    header, rows = results_rows(col, target)
+    out_header: list[str] = []
+    for i, h in enumerate(header):
+        out_header.append(h)
+        if any(isinstance(row[i], Stat) for row in rows):
+            out_header += [f"{h}_std", f"{h}_min", f"{h}_max"]
+        if any(isinstance(row[i], Delta) for row in rows):
+            out_header += ["delta_exceeds_spread"]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(out_header)
+
+    def text(v: Any) -> Any:
+        return "" if v is None else (repr(v) if isinstance(v, float) else v)
+
+    for row in rows:
+        cells: list[Any] = []
+        for i, v in enumerate(row):
+            if any(isinstance(r[i], Stat) for r in rows):
+                v = v if isinstance(v, Stat) else stat([])
+                cells += [text(v.mean), text(v.std), text(v.lo), text(v.hi)]
+            elif any(isinstance(r[i], Delta) for r in rows):
+                cells += [text(v.value), text(v.exceeds)] if isinstance(v, Delta) else ["", ""]
+            else:
+                cells.append(text(v))
+        w.writerow(cells)
+    return buf.getvalue()
