@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_plots import assert_image
 
 from gradzip.errors import SpecError
 from gradzip.experiments.spec import load_spec
@@ -17,8 +18,6 @@ from gradzip.plots.report import make_report
 from gradzip.plots.results import is_figure, load_runs, metric_figure, reference
 from gradzip.plots.seeds import Stat, exceeds_spread, stat
 from gradzip.plots.table import results_csv, results_markdown
-
-from test_plots import assert_image
 
 
 def test_repeats_every_cell_and_only_some(tmp_path):
