@@ -9,9 +9,11 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_plots import assert_image
 
+from gradzip.data.pretrain import UnigramReference
 from gradzip.errors import SpecError
 from gradzip.experiments.spec import load_spec
 from gradzip.plots.report import make_report
@@ -24,16 +26,16 @@ def test_repeats_every_cell_and_only_some(tmp_path):
     p = tmp_path / "s.toml"
     p.write_text('repeats = 3\n[base]\nsteps = 3\n[grid]\ncompressor = ["none", "fp16"]\n')
     spec = load_spec(p)
-    assert [(c.name, c.config["seed"]) for c in spec.cells] == [
-        ("compressor=none__seed=0", 0), ("compressor=none__seed=1", 1), ("compressor=none__seed=2", 2),
-        ("compressor=fp16__seed=0", 0), ("compressor=fp16__seed=1", 1), ("compressor=fp16__seed=2", 2)]
+    assert [(c.name, c.config["seed"]) for c in spec.cells] == [  # seed by seed
+        ("compressor=none__seed=0", 0), ("compressor=fp16__seed=0", 0), ("compressor=none__seed=1", 1),
+        ("compressor=fp16__seed=1", 1), ("compressor=none__seed=2", 2), ("compressor=fp16__seed=2", 2)]
     assert all(c.params["seed"] == c.config["seed"] for c in spec.cells)
     p = tmp_path / "t.toml"
     p.write_text('repeats = { n = 2, where = { compressor = ["none", "onebit"] } }\n'
                  '[base]\nseed = 7\n[grid]\ncompressor = ["none", "fp16", "onebit"]\n')
     names = [c.name for c in load_spec(p).cells]
-    assert names == ["compressor=none__seed=7", "compressor=none__seed=8", "compressor=fp16__seed=7",
-                     "compressor=onebit__seed=7", "compressor=onebit__seed=8"]
+    assert names == ["compressor=none__seed=7", "compressor=fp16__seed=7", "compressor=onebit__seed=7",
+                     "compressor=none__seed=8", "compressor=onebit__seed=8"]
 
 
 @pytest.mark.parametrize("text, msg", [
@@ -79,7 +81,8 @@ def write(d: Path, compressor: str, seed: int, final: float, acc: float) -> None
     (d / "summary.json").write_text(json.dumps({
         "final_eval_loss": final, "final_eval_mlm_acc": acc, "final_eval_nsp_acc": 0.6, "steps": 20,
         "compressor": compressor, "bytes_per_step": 100.0, "compression_ratio": 1.0, "wall_s": 2.0,
-        "unigram_entropy": 6.5, "top_token_rate": 0.05}))
+        "unigram_entropy": 6.5, "top_token_rate": 0.05, "context_free_mlm_loss": 6.0,
+        "context_free_mlm_acc": 0.14}))
 
 
 def seeded_sweep(root: Path) -> Path:
@@ -120,9 +123,11 @@ def test_metric_figures_bands_and_references(tmp_path):
     assert metric_figure("grad_norm_time") == ("grad_norm", "time")
     assert not is_figure("accuracy_steps") and is_figure("loss_steps")
     col = load_runs(root)
-    assert reference(col.runs, "eval_mlm_loss") == (6.5, "unigram entropy H = 6.50 (no context)")
-    assert reference(col.runs, "eval_mlm_acc")[0] == pytest.approx(0.05)
-    assert reference(col.runs, "loss")[0] == pytest.approx(6.5 + 0.6931, abs=1e-4)
+    assert reference(col.runs, "eval_mlm_loss") == [(6.5, "unigram entropy H = 6.50 (no context)"),
+                                                    (6.0, "context-free floor 6.00 (H, less copying the input token)")]
+    assert [v for v, _ in reference(col.runs, "eval_mlm_acc")] == pytest.approx([0.05, 0.14])
+    assert [v for v, _ in reference(col.runs, "loss")] == pytest.approx([6.5 + 0.6931, 6.0 + 0.6931], abs=1e-4)
+    assert reference(col.runs, "grad_norm") == []
     rep = make_report(root, figures=["eval_mlm_acc_steps", "eval_mlm_loss_steps", "mlm_loss_time", "loss_steps"])
     drawn = {d.name: d for d in rep.figures}
     assert set(drawn) == {"eval_mlm_acc_steps", "eval_mlm_loss_steps", "mlm_loss_time", "loss_steps"}, rep.skipped
@@ -131,7 +136,9 @@ def test_metric_figures_bands_and_references(tmp_path):
     assert "mean of 3 seeds" in drawn["eval_mlm_acc_steps"].caption
     assert "most frequent token 0.050" in drawn["eval_mlm_acc_steps"].caption
     assert "unigram entropy H = 6.50" in drawn["eval_mlm_loss_steps"].caption
+    assert "Dotted: context-free floor 6.00" in drawn["eval_mlm_loss_steps"].caption
     assert "unigram plateau H + ln 2" in drawn["loss_steps"].caption
+    assert "context-free floor + ln 2 = 6.69" in drawn["loss_steps"].caption
     assert "modelled" in drawn["mlm_loss_time"].caption
     # the default set includes the accuracy figures when the runs have them
     assert {"eval_mlm_acc_steps", "eval_mlm_loss_steps"} <= {d.name for d in make_report(root).figures}
@@ -148,13 +155,35 @@ def test_bad_figure_name_is_one_line(tmp_path, capsys):
 def test_train_reports_the_unigram_reference(tmp_path, corpus):
     from gradzip.data.pretrain import PretrainData
     data = PretrainData.build(corpus, seq_len=64, progress=False)
-    h, top = data.unigram_reference()
+    ref = data.unigram_reference()
     # recount from the examples, independently: token frequencies of the real, non-special tokens
-    import numpy as np
     ids = np.concatenate([np.asarray(data.train.ids[i, :data.train.length[i]]) for i in range(len(data.train))])
     ids = ids[~np.isin(ids, np.asarray(data.tokenizer.special_ids))]
     p = np.bincount(ids) / ids.size
     p = p[p > 0]
-    assert h == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-9)
-    assert top == pytest.approx(float(p.max()))
-    assert 0 < top < 1 and 0 < h < np.log(data.vocab_size)
+    assert ref.entropy == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-9)
+    assert ref.top_rate == pytest.approx(float(p.max()))
+    assert 0 < ref.top_rate < ref.floor_acc < 1 and 0 < ref.floor < ref.entropy < np.log(data.vocab_size)
+
+
+def test_context_free_floor_is_the_bayes_loss_under_bert_masking():
+    """Monte Carlo: draw labels from p, mask them 80/10/10 as BERT does, score the Bayes predictor
+    that sees only the input token; its mean log-loss and accuracy are the floor's."""
+    rng = np.random.default_rng(0)
+    V = 40
+    counts = np.concatenate([rng.integers(1, 1000, V - 3) ** 2, [0, 0, 0]])  # 3 tokens never seen
+    ref = UnigramReference.from_counts(counts, V)
+    p = counts / counts.sum()
+    n = 400_000
+    y = rng.choice(V, size=n, p=p)
+    u = rng.random(n)
+    x = np.where(u < 0.8, -1, np.where(u < 0.9, rng.integers(0, V, n), y))  # -1 = [MASK]
+    xs = np.where(x < 0, 0, x)
+    # P(y | x): [MASK] -> p; else ∝ p_y (0.1 [y = x] + 0.1 / V)
+    post = p[None, :] * (0.1 * (np.arange(V)[None, :] == xs[:, None]) + 0.1 / V)
+    post = np.where((x < 0)[:, None], p[None, :], post / post.sum(axis=1, keepdims=True))
+    loss = -np.log(post[np.arange(n), y]).mean()
+    acc = (post.argmax(axis=1) == y).mean()
+    assert loss == pytest.approx(ref.floor, abs=0.01)
+    assert acc == pytest.approx(ref.floor_acc, abs=0.005)
+    assert ref.floor < ref.entropy

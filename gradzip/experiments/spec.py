@@ -50,7 +50,8 @@ Contract:
   ``compressor=topk-ratio=0.01-ef=true__bandwidth=1gbit__seed=0``; names longer than
   :data:`MAX_NAME` characters are shortened and end in a hash of the full name.
 - ``repeats`` runs a cell under several seeds: ``seed`` (from ``[base]``, default 0) plus 0, 1, ...
-  Every cell's name then ends in ``__seed=S`` and its ``seed`` is one of its grid values, so
+  Cells run seed by seed (every configuration's first seed, then the second ones, ...).
+  Each cell's name then ends in ``__seed=S`` and its ``seed`` is one of its grid values, so
   tables and figures aggregate over it (:mod:`gradzip.plots.seeds`). ``seed`` may not also be a
   grid axis. ``where`` selects cells like ``[plot.where]`` and must match at least one.
 """
@@ -446,4 +447,5 @@ def expand(spec: Spec) -> list[Cell]:
         for i in range(spec.repeats if chosen else 1):
             seed = base_seed + i
             cells.append(Cell({**params, "seed": seed}, {**config, "seed": seed}, f"{name}__seed={seed}"))
-    return cells
+    # every configuration's first seed before any second one: an interrupted sweep has them all once
+    return sorted(cells, key=lambda c: c.config.get("seed", defaults.seed)) if spec.repeats > 1 else cells

@@ -237,8 +237,8 @@ def _loss_figure(col: Collection, pal: style.Palette, x: str, target: Target | N
                         markeredgewidth=1.2)
         if target:
             ax.axhline(target.loss, color="0.4", linewidth=0.8, linestyle="--", label=f"target {target.loss:g}")
-        if ref is not None:
-            ax.axhline(ref[0], color="0.55", linewidth=0.9, linestyle=":", label=ref[1])
+        for (value, label), ls in zip(ref, (":", "-.")):
+            ax.axhline(value, color="0.55", linewidth=0.9, linestyle=ls, label=label)
 
     ref = reference(col.runs, "loss")
     clock = clock_of(col.runs)
@@ -251,8 +251,10 @@ def _loss_figure(col: Collection, pal: style.Palette, x: str, target: Target | N
     groups = series(col)
     caption = (f"Training loss against {what}: lines are the training loss smoothed by a centred moving average "
                f"over {2 * half + 1} steps, faint lines the raw loss, open markers the held-out eval loss."
-               + (f" Dotted: the {ref[1]}, the loss of a model that predicts masked tokens from their corpus "
+               + (f" Dotted: the {ref[0][1]}, the loss of a model that predicts masked tokens from their corpus "
                   "frequency and guesses next sentences at chance." if ref else "")
+               + (f" Dash-dotted: the {ref[1][1]}: below it a model uses the context (above it, it may only "
+                  "copy the visible input token of BERT's unchanged and random positions)." if len(ref) > 1 else "")
                + _seed_note(groups) + pn.text() + " "
                + (_clock_caption(col.runs) + " " if x == "time" else "") + _fixed_caption(col))
     return fig, " ".join(caption.split())

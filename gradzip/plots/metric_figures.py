@@ -62,8 +62,8 @@ def fig_metric(name: str, col: Collection, pal: style.Palette, target: Target | 
                     label=s.label + (f" ({s.clock})" if x == "time" else ""))
             if len(group) > 1:
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
-        if ref is not None:
-            ax.axhline(ref[0], color="0.35", linewidth=0.9, linestyle="--", label=ref[1])
+        for (value, label), ls in zip(ref, ("--", ":")):
+            ax.axhline(value, color="0.35", linewidth=0.9, linestyle=ls, label=label)
         if metric.startswith("bytes"):
             ax.set_yscale("symlog")
 
@@ -77,7 +77,8 @@ def fig_metric(name: str, col: Collection, pal: style.Palette, target: Target | 
                + ("optimizer steps" if x == "steps" else "cumulative wall-clock time")
                + (f", smoothed by a centred moving average over {2 * half + 1} points" if half else "")
                + (", at each evaluation" if sparse else "") + "."
-               + (f" Dashed: {ref[1]}." if ref else "") + _seed_note(series(col)) + pn.text() + " "
+               + "".join(f" {how}: {label}." for how, (_, label) in zip(("Dashed", "Dotted"), ref))
+               + _seed_note(series(col)) + pn.text() + " "
                + (_clock_caption(runs) + " " if x == "time" else "") + _fixed_caption(col))
     return fig, " ".join(caption.split())
 

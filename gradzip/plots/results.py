@@ -70,23 +70,31 @@ def is_figure(name: str) -> bool:
 FIGURE_CHOICES = ", ".join(FIGURES) + ", or METRIC_steps / METRIC_time for a metrics.jsonl field METRIC"
 
 
-def reference(runs: list[Run], metric: str) -> tuple[float, str] | None:
-    """The context-free reference level of ``metric`` from the runs' summaries (the data's unigram
-    entropy H, reported by gradzip train), with its legend label; None when unknown."""
-    hs = [float(r.summary["unigram_entropy"]) for r in runs if (r.summary or {}).get("unigram_entropy")]
-    tops = [float(r.summary["top_token_rate"]) for r in runs if (r.summary or {}).get("top_token_rate")]
-    if metric in ("mlm_loss", "eval_mlm_loss") and hs:
-        h = sum(hs) / len(hs)
-        return h, f"unigram entropy H = {h:.2f} (no context)"
-    if metric in ("loss", "eval_loss") and hs:
-        h = sum(hs) / len(hs) + math.log(2)
-        return h, f"unigram plateau H + ln 2 = {h:.2f}"
-    if metric == "eval_mlm_acc" and tops:
-        t = sum(tops) / len(tops)
-        return t, f"most frequent token {t:.3f}"
-    if metric == "eval_nsp_acc":
-        return 0.5, "chance 0.5"
-    return None
+def _mean_of(runs: list[Run], key: str) -> float | None:
+    vals = [float(r.summary[key]) for r in runs if (r.summary or {}).get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def reference(runs: list[Run], metric: str) -> list[tuple[float, str]]:
+    """The context-free reference levels of ``metric`` from the runs' summaries, with legend labels
+    (``gradzip train`` reports them; see :class:`gradzip.data.pretrain.UnigramReference`): the
+    unigram entropy H and the context-free floor (H minus what copying the visible input token of
+    BERT's unchanged and random masked positions is worth); [] when unknown."""
+    h, floor = _mean_of(runs, "unigram_entropy"), _mean_of(runs, "context_free_mlm_loss")
+    top, floor_acc = _mean_of(runs, "top_token_rate"), _mean_of(runs, "context_free_mlm_acc")
+    out: list[tuple[float, str]] = []
+    if metric in ("mlm_loss", "eval_mlm_loss"):
+        out += [(h, f"unigram entropy H = {h:.2f} (no context)")] if h is not None else []
+        out += [(floor, f"context-free floor {floor:.2f} (H, less copying the input token)")] if floor else []
+    elif metric in ("loss", "eval_loss"):
+        out += [(h + math.log(2), f"unigram plateau H + ln 2 = {h + math.log(2):.2f}")] if h is not None else []
+        out += [(floor + math.log(2), f"context-free floor + ln 2 = {floor + math.log(2):.2f}")] if floor else []
+    elif metric == "eval_mlm_acc":
+        out += [(top, f"most frequent token {top:.3f}")] if top is not None else []
+        out += [(floor_acc, f"context-free floor {floor_acc:.3f}")] if floor_acc else []
+    elif metric == "eval_nsp_acc":
+        out.append((0.5, "chance 0.5"))
+    return out
 
 
 # Config keys that never distinguish runs (paths, resume flags, logging cadence).

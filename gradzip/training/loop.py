@@ -183,8 +183,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "precision": cfg.precision, "batch_size": cfg.batch_size, "accumulation": cfg.accumulation,
                 "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed, "params": sum(p.numel() for p in params),
                 "initial_eval_loss": progress["initial_eval_loss"], "out": str(out)}
-        # the unigram plateau: what an MLM that ignores context gets (loss) and guessing the top token (acc)
-        info["unigram_entropy"], info["top_token_rate"] = data.unigram_reference()
+        # what a model that ignores context gets (gradzip.data.pretrain.UnigramReference)
+        ref = data.unigram_reference()
+        info.update(unigram_entropy=ref.entropy, top_token_rate=ref.top_rate, context_free_mlm_loss=ref.floor,
+                    context_free_mlm_acc=ref.floor_acc)
         none_bytes = allreduce_bytes(4 * info["params"], runtime.num_workers)  # fp32 ring allreduce of every gradient
         summary = summarize(read_metrics(metrics_path), info, none_bytes)
         write_summary(out, summary)
