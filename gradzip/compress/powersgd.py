@@ -37,7 +37,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress._linalg import FactorGroup, LowRankCtx, batch_views, bmm_into, orthonormalize, seeded_normal
+from gradzip.compress._linalg import (
+    FactorGroup,
+    LowRankCtx,
+    batch_views,
+    bmm_into,
+    bmm_t_into,
+    orthonormalize,
+    seeded_normal,
+)
 from gradzip.compress.base import BucketCompressor, Payload, key_under, numel_of, unflatten
 from gradzip.compress.registry import register
 
@@ -109,7 +117,7 @@ class PowerSGD(BucketCompressor):
         for g, p, q in zip(ctx.groups, ctx.views(reduced[0], "p")[1], qs):
             g.p = orthonormalize(p)
             for sel, mats in g.runs:
-                bmm_into(q, sel, mats.transpose(1, 2), g.p[sel])
+                bmm_t_into(q, sel, mats, g.p[sel])  # Q = Mᵀ P
             g.runs = []  # release the matrices
         return (q_flat, ctx.uncompressed), ctx
 
