@@ -405,3 +405,33 @@ def test_gradzip_ls_lists_every_compressor(capsys):
         "ratio": 0.01, "ef": False, "exchange": "allgather"}
     assert items["onebit"]["schemes"] == ["allgather", "twophase"]
     assert items["onebit"]["default_exchange"] == "allgather"
+
+
+@pytest.mark.parametrize("spec", EF_SPECS)
+def test_fused_error_feedback_equals_decode_and_subtract(spec, monkeypatch):
+    """Compressors that update the residual in place (Compressor.subtract_sent) give the same
+    floats, bit for bit, as decoding into a new buffer and subtracting, on gradients with zeros of
+    both signs, infs and NaNs; and a non-finite entry never reaches the memory."""
+    shapes = [(64, 33), (1000,), (7,)]
+
+    def grads(step):
+        gs = [rand(s, seed=100 * step + i) for i, s in enumerate(shapes)]
+        gs[1][:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")]) if step == 1 else gs[1][:4]
+        gs[2][0] = -0.0
+        return gs
+
+    fused, plain = create(spec), create(spec)
+    inner = type(plain.inner)
+    monkeypatch.setattr(plain, "inner", plain.inner)  # instance attribute: patch this object only
+    monkeypatch.setattr(plain.inner, "subtract_sent_batch", lambda *a: False)
+    used = []
+    orig = inner.subtract_sent_batch
+    monkeypatch.setattr(fused.inner, "subtract_sent_batch", lambda *a: used.append(orig(fused.inner, *a)) or used[-1])
+    for step in range(3):
+        solo(fused, grads(step))
+        solo(plain, grads(step))
+        for a, b in zip(fused.state_dict()["memory"]["b"], plain.state_dict()["memory"]["b"]):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), spec  # bits, -0.0 included
+            assert torch.isfinite(a).all()
+    if create(spec).inner.name in ("topk", "onebit"):
+        assert used and all(used), f"{spec}: the fused path was not taken"

@@ -172,6 +172,17 @@ class Compressor(ABC):
         """Exact payload bytes for a bucket of tensors with these shapes."""
         return self.payload_bytes(sum(_numel(s) for s in shapes), dtype)
 
+    def subtract_sent(self, payload: Payload, ctx: Any, flat: Tensor) -> bool:
+        """Error feedback's step 4 fused: ``flat -= decompress(payload)`` in place, where ``flat`` is
+        the fp32 tensor that ``payload`` was compressed from (the compensated bucket, read flat).
+        Return False (the default) when not implemented: error feedback then decodes into a new
+        buffer and subtracts. An implementation must give the same floats as that path."""
+        return False
+
+    def subtract_sent_batch(self, payload: Payload, ctx: Any, flat: Tensor) -> bool:
+        """:meth:`subtract_sent` for a bucket compressed by the default :meth:`compress_batch`."""
+        return isinstance(ctx, _BatchCtx) and self.subtract_sent(payload, ctx.inner, flat)
+
     def credit(self, key: str, indices: Tensor, values: Tensor) -> None:
         """An exchange scheme dropped ``values`` of this rank's own payload of ``key``, at flat
         ``indices`` of the bucket (``exchange=sparse``). Error feedback adds them back to its

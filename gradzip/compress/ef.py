@@ -140,13 +140,15 @@ class ErrorFeedback(BucketCompressor):
         return payload, ctx
 
     def _update_memory(self, payload: Payload, ctx: _EFCtx) -> None:
-        # memory := compensated − transmitted, in place.
-        transmitted = self.inner.decompress_batch(payload, ctx.inner)
-        for m, t in zip(ctx.compensated, transmitted):
-            m.sub_(t)
+        # memory := compensated − transmitted, in place: fused by the compressor when it can (top-k
+        # zeroes the sent entries, sign codes subtract ±scale), else decode and subtract.
+        assert ctx.flat is not None
+        if not self.inner.subtract_sent_batch(payload, ctx.inner, ctx.flat):
+            transmitted = self.inner.decompress_batch(payload, ctx.inner)
+            for m, t in zip(ctx.compensated, transmitted):
+                m.sub_(t)
         # A non-finite gradient (an fp16 overflow step that the grad scaler skips) would poison the
         # memory for good: zero those entries (no host sync, unlike an isfinite().all() check).
-        assert ctx.flat is not None
         ctx.flat.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         ctx.compensated = ctx.flat = None
 

@@ -43,8 +43,22 @@ class SignCode(Compressor):
         packed, scale = payload
         return unpack_signs(packed, numel_of(shape), scale, dtype).view(shape)
 
+    def subtract_sent(self, payload: Payload, ctx: tuple[torch.Size, torch.dtype], flat: Tensor) -> bool:
+        if type(self).compress is not SignCode.compress or flat.dtype != torch.float32 \
+                or flat.numel() != numel_of(ctx[0]):
+            return False  # a subclass that encodes something else (Signum: its momentum)
+        # The code is the sign bit of each entry, so the decoded value is copysign(scale, entry):
+        # subtract it chunk by chunk (the temporary stays in cache; no full-size decode).
+        scale = payload[1].to(flat.device, torch.float32).reshape(())
+        for part in flat.split(CHUNK):
+            part.sub_(torch.copysign(scale, part))
+        return True
+
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         return packed_numel(numel_of(shape)) + 4
+
+
+CHUNK = 1 << 16  # elements per fused error-feedback chunk: 256 KiB of fp32, inside a core's L2
 
 
 @register("onebit")

@@ -77,6 +77,15 @@ class TopK(Compressor):
         values, idx = payload
         return sparse_to_dense(values.to(ctx.dtype), idx, numel_of(ctx.shape)).view(ctx.shape)
 
+    def subtract_sent(self, payload: Payload, ctx: _Ctx, flat: Tensor) -> bool:
+        values, idx = payload
+        if type(self).compress is not TopK.compress or values.dtype != flat.dtype \
+                or flat.numel() != numel_of(ctx.shape):
+            return False  # a subclass whose values are not the input's own
+        # x − x is +0 for finite x, and NaN for ±inf, which error feedback then zeroes: either way 0
+        flat.index_fill_(0, idx.to(torch.int64), 0.0)
+        return True
+
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return k_of(self.config.ratio, numel_of(shape)) * (itemsize + 4)
