@@ -435,3 +435,44 @@ def test_fused_error_feedback_equals_decode_and_subtract(spec, monkeypatch):
             assert torch.isfinite(a).all()
     if create(spec).inner.name in ("topk", "onebit"):
         assert used and all(used), f"{spec}: the fused path was not taken"
+
+
+ALLGATHER = [s for s in SINGLE_ROUND if create(s).collective == "allgather"]
+
+
+@pytest.mark.parametrize("spec", ALLGATHER)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_pass_aggregation_equals_decode_each_and_aggregate(spec, dtype):
+    """Compressors that aggregate the ranks' payloads in one pass (Compressor.decode_aggregate) give
+    the same floats as decoding every payload and aggregating, at 8 ranks whose top-k indices
+    overlap; and the exchange takes that path."""
+    shapes = [(64, 33), (1000,), (7,)]
+    comps = [create(spec) for _ in range(8)]
+    common = rand((sum(math.prod(s) for s in shapes),), seed=99)  # shared large entries: overlapping indices
+    per_rank, ctx = [], None
+    for w, c in enumerate(comps):
+        noise = rand(common.shape, seed=w)
+        flat = (common * 3 + noise).to(dtype)
+        tensors = list(torch.split(flat, [math.prod(s) for s in shapes]))
+        payload, ctx = c.compress_batch([t.view(s) for t, s in zip(tensors, shapes)], "b")
+        per_rank.append(tuple(p.clone() for p in payload))
+    c = comps[0]
+    fused = c.decode_aggregate_batch(per_rank, ctx)
+    parts = [c.decompress_batch(p, ctx) for p in per_rank]
+    plain = [c.aggregate([part[i] for part in parts]) for i in range(len(shapes))]
+    if fused is None:
+        taken = create(spec).name in ("topk", "onebit", "threshold") and "ef=ef21" not in spec
+        assert not taken or dtype != torch.float32, f"{spec}: the one-pass path was not taken"
+        return
+    for a, b in zip(fused, plain):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), spec
+
+
+def test_the_exchange_aggregates_in_one_pass(monkeypatch):
+    from gradzip.compress.topk import TopK
+    calls = []
+    monkeypatch.setattr(TopK, "decompress", lambda *a: calls.append(1) or pytest.fail("decoded per rank"))
+    comps = [create("topk:ratio=0.1,ef=true") for _ in range(4)]
+    out = sim(comps, [[rand((50,), seed=w)] for w in range(4)])
+    assert calls == [] and all(torch.equal(o[0], out[0][0]) for o in out)

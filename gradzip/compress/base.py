@@ -183,6 +183,20 @@ class Compressor(ABC):
         """:meth:`subtract_sent` for a bucket compressed by the default :meth:`compress_batch`."""
         return isinstance(ctx, _BatchCtx) and self.subtract_sent(payload, ctx.inner, flat)
 
+    def decode_aggregate(self, payloads: list[Payload], ctx: Any) -> Tensor | None:
+        """``aggregate([decompress(p, ctx) for p in payloads])`` in one pass, without a full-size
+        decode per rank (allgather compressors: the ranks' payloads in rank order). None (the
+        default) when not implemented: the exchange then decodes each payload and aggregates.
+        An implementation must give the same floats as that path."""
+        return None
+
+    def decode_aggregate_batch(self, payloads: list[Payload], ctx: Any) -> list[Tensor] | None:
+        """:meth:`decode_aggregate` for buckets compressed by the default :meth:`compress_batch`."""
+        if not isinstance(ctx, _BatchCtx):
+            return None
+        out = self.decode_aggregate(payloads, ctx.inner)
+        return None if out is None else unflatten(out, ctx.shapes)
+
     def credit(self, key: str, indices: Tensor, values: Tensor) -> None:
         """An exchange scheme dropped ``values`` of this rank's own payload of ``key``, at flat
         ``indices`` of the bucket (``exchange=sparse``). Error feedback adds them back to its

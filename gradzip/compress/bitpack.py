@@ -93,6 +93,30 @@ def unpack_signs(packed: Tensor, n: int, scale: Tensor | float, dtype: torch.dty
     return out[:n]
 
 
+def sum_signs(packeds: list[Tensor], n: int, scales: list[Tensor], dtype: torch.dtype,
+              chunk_bytes: int = 1 << 13) -> Tensor:
+    """``Σ_r unpack_signs(packeds[r], n, scales[r], dtype)``, summed in rank order, without a
+    full-size decode per rank: each chunk of 8·``chunk_bytes`` elements is decoded rank after rank
+    into a cache-resident temporary and added, so memory sees one write of the result. The same
+    floats as decoding each rank and adding the tensors in order."""
+    for p in packeds:
+        _check(p, n)
+    device = packeds[0].device
+    tables = [(_SIGN_TABLE.to(device) * torch.as_tensor(s, dtype=torch.float32, device=device)).to(dtype)
+              for s in scales]
+    out = empty(packeds[0].numel() * 8, dtype, device)
+    rows = out.view(-1, 8)
+    tmp = torch.empty(min(chunk_bytes, rows.shape[0]), 8, dtype=dtype, device=device)
+    for start in range(0, rows.shape[0], chunk_bytes):
+        acc = rows[start:start + chunk_bytes]
+        torch.index_select(tables[0], 0, packeds[0][start:start + chunk_bytes].to(torch.int32), out=acc)
+        t = tmp[:acc.shape[0]]
+        for table, p in zip(tables[1:], packeds[1:]):
+            torch.index_select(table, 0, p[start:start + chunk_bytes].to(torch.int32), out=t)
+            acc += t
+    return out[:n]
+
+
 def mean_abs(x: Tensor) -> Tensor:
     """``mean(|x|)`` as a 0-dim fp32 tensor (0 for an empty tensor), without an |x| temporary on the CPU."""
     n = x.numel()

@@ -180,6 +180,13 @@ class ErrorFeedback(BucketCompressor):
     def aggregate(self, tensors: list[Tensor]) -> Tensor:
         return self.inner.aggregate(tensors)
 
+    def decode_aggregate_batch(self, payloads: list[Payload], ctx: Any) -> list[Tensor] | None:
+        # The decoded parts are cast to the gradients' dtypes before they are aggregated: the one
+        # pass gives the same floats only when that cast is the identity (fp32 gradients).
+        if any(d != torch.float32 for d in ctx.dtypes):
+            return None
+        return self.inner.decode_aggregate_batch(payloads, ctx.inner)
+
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         # The inner compressor sees fp32 compensated gradients.
         return self.inner.payload_bytes(shape, torch.float32)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compress.base import Compressor, Payload, numel_of
-from gradzip.compress.bitpack import mean_abs, pack_signs, packed_numel, unpack_signs
+from gradzip.compress.bitpack import mean_abs, pack_signs, packed_numel, sum_signs, unpack_signs
 from gradzip.compress.registry import register
 
 
@@ -42,6 +42,13 @@ class SignCode(Compressor):
         shape, dtype = ctx
         packed, scale = payload
         return unpack_signs(packed, numel_of(shape), scale, dtype).view(shape)
+
+    def decode_aggregate(self, payloads: list[Payload], ctx: tuple[torch.Size, torch.dtype]) -> Tensor | None:
+        if type(self).aggregate is not Compressor.aggregate or type(self).decompress is not SignCode.decompress:
+            return None  # signSGD's majority vote aggregates differently
+        shape, dtype = ctx
+        out = sum_signs([p[0] for p in payloads], numel_of(shape), [p[1] for p in payloads], dtype)
+        return out.div_(len(payloads)).view(shape)
 
     def subtract_sent(self, payload: Payload, ctx: tuple[torch.Size, torch.dtype], flat: Tensor) -> bool:
         if type(self).compress is not SignCode.compress or flat.dtype != torch.float32 \

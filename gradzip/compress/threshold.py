@@ -34,7 +34,7 @@ from torch import Tensor
 from gradzip.compress.base import Compressor, Payload, numel_of
 from gradzip.compress.registry import register
 from gradzip.compress.select import topk_indices
-from gradzip.compress.topk import TopK, _Ctx, k_of
+from gradzip.compress.topk import _SELF_VALUES, TopK, _Ctx, k_of
 
 
 @dataclass
@@ -70,7 +70,12 @@ class Threshold(Compressor):
         return (flat[idx], idx), _Ctx(tensor.shape, tensor.dtype)
 
     decompress = TopK.decompress  # top-k's payload: scatter into zeros
+    decode_aggregate = TopK.decode_aggregate  # and the ranks' payloads: one index_add_
+    subtract_sent = TopK.subtract_sent
 
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         """An upper bound (the size depends on the data): k_max * (itemsize + 4)."""
         return k_of(self.config.max_ratio, numel_of(shape)) * (torch.empty((), dtype=dtype).element_size() + 4)
+
+
+_SELF_VALUES.add(Threshold.compress)  # its values are the input's entries too: fused EF zeroes them

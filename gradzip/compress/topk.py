@@ -60,6 +60,9 @@ class _Ctx:
     dtype: torch.dtype  # known identically to every rank: used to decode the others' payloads
 
 
+_SELF_VALUES: set = set()  # compress methods whose values are the input's own entries
+
+
 @register("topk")
 class TopK(Compressor):
     collective = "allgather"
@@ -77,9 +80,19 @@ class TopK(Compressor):
         values, idx = payload
         return sparse_to_dense(values.to(ctx.dtype), idx, numel_of(ctx.shape)).view(ctx.shape)
 
+    def decode_aggregate(self, payloads: list[Payload], ctx: _Ctx) -> Tensor | None:
+        if type(self).aggregate is not Compressor.aggregate or type(self).decompress is not TopK.decompress:
+            return None
+        # one index_add_ of every rank's entries, in rank order, into zeros: the mean of the dense parts
+        out = sparse_to_dense(payloads[0][0].to(ctx.dtype), payloads[0][1], numel_of(ctx.shape))
+        if len(payloads) > 1:
+            idx = torch.cat([p[1] for p in payloads[1:]]).to(torch.int64)
+            out.index_add_(0, idx, torch.cat([p[0].to(ctx.dtype) for p in payloads[1:]]))
+        return out.div_(len(payloads)).view(ctx.shape)
+
     def subtract_sent(self, payload: Payload, ctx: _Ctx, flat: Tensor) -> bool:
         values, idx = payload
-        if type(self).compress is not TopK.compress or values.dtype != flat.dtype \
+        if type(self).compress not in _SELF_VALUES or values.dtype != flat.dtype \
                 or flat.numel() != numel_of(ctx.shape):
             return False  # a subclass whose values are not the input's own
         # x − x is +0 for finite x, and NaN for ±inf, which error feedback then zeroes: either way 0
@@ -89,3 +102,6 @@ class TopK(Compressor):
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return k_of(self.config.ratio, numel_of(shape)) * (itemsize + 4)
+
+
+_SELF_VALUES.add(TopK.compress)

@@ -67,8 +67,12 @@ class Exchange:
             gathered = self._wait_all()  # per payload tensor: list over ranks
             t0 = time.perf_counter()
             per_rank: list[Payload] = [tuple(g[r] for g in gathered) for r in range(self.comm.world_size)]
-            parts = [c.decompress_batch(p, self._ctx) for p in per_rank]
-            self._result = [c.aggregate([part[i] for part in parts]) for i in range(len(self.tensors))]
+            fused = c.decode_aggregate_batch(per_rank, self._ctx)  # one pass, no decode per rank
+            if fused is not None:
+                self._result = fused
+            else:
+                parts = [c.decompress_batch(p, self._ctx) for p in per_rank]
+                self._result = [c.aggregate([part[i] for part in parts]) for i in range(len(self.tensors))]
             self.compress_s += time.perf_counter() - t0
             return True
         reduced = tuple(self._wait_all())
