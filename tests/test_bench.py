@@ -51,3 +51,44 @@ def test_bench_compress_bad_input_is_one_line(capsys, argv, message):
     assert main(["bench", "compress", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_gpu_check_runs_its_checks_on_the_cpu(tmp_path, corpus):
+    """The prepared GPU check, in its CPU mode (gloo for NCCL, bf16 for fp16): every check passes,
+    the injected NaN step is skipped, and the results land in --out."""
+    import subprocess
+    import sys
+    out = tmp_path / "gpu_check.json"
+    p = subprocess.run([sys.executable, "-m", "gradzip.bench.gpu_check", "--device", "cpu", "--only",
+                        "collectives,compressors,train", "--corpus", str(corpus), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())["checks"]
+    assert set(res) == {"collectives-1", "collectives-2", "compressors", "train-bf16", "train-gloo"}
+    assert all(r["ok"] for r in res.values()), res
+    assert "skipped steps [4]" in res["train-bf16"]["detail"]
+    n = 2 * len(registry())  # every compressor bare and with ef=true
+    assert res["compressors"]["detail"] == f"{n}/{n} specs agree"
+
+
+def test_gpu_check_without_a_gpu_says_so(capsys):
+    import torch
+
+    from gradzip.bench.gpu_check import main as gpu_check
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert gpu_check(["--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no CUDA device here" in err and "\n" not in err
+    assert gpu_check(["--device", "cpu", "--only", "nope"]) == 2
+
+
+def test_bench_compress_aggregate_rows(capsys):
+    assert main(["bench", "compress", "--numel", "20000", "--repeat", "1", "--only", "onebit", "topk", "fp16",
+                 "--aggregate", "4", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    for name in ("onebit", "topk"):  # allgather compressors: timed against one decode
+        assert rows[name]["ranks"] == 4 and rows[name]["aggregate_s"] > 0 and rows[name]["decode_s"] > 0
+    assert "aggregate_s" not in rows["fp16"]  # an allreduce compressor sums on the wire

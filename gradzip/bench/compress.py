@@ -22,6 +22,11 @@ on contiguous stacks of the same shapes.
 Compressors are measured bare (no error feedback) unless ``--ef`` is given. Targets (benchmark
 results, not tests): fp16/bf16 <= 2x memcpy, onebit <= 4x, topk at 1% <= 10x, PowerSGD rank 4 <=
 1.5x its matmuls.
+
+``--aggregate N`` also times, for the allgather compressors, what every rank does with the N
+ranks' payloads (the exchange's path: one pass where the compressor has one, else a decode per
+rank and the aggregate) against the decode of one payload: ``aggregate_s``, ``decode_s`` and
+their ratio (target for signsgd and onebit at 8 ranks: <= 2x one decode).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
+    parser.add_argument("--aggregate", type=int, default=0, metavar="N",
+                        help="allgather compressors: also time the aggregation of N ranks' payloads against one decode")
 
 
 def bert_shapes(numel: int) -> list[tuple[int, int]]:
@@ -95,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     for name in args.only or names:
         spec = f"{name}:{','.join([*([PARAMS[name]] if name in PARAMS else []), f'ef={str(args.ef).lower()}'])}"
         try:
-            rows.append(bench_one(create(spec), args.numel, args.repeat, device, args.stat))
+            rows.append(bench_one(create(spec), args.numel, args.repeat, device, args.stat, args.aggregate))
         except Exception as e:  # one broken compressor should not hide the others' numbers
             failed = True
             rows.append({"name": name, "spec": spec, "error": f"{type(e).__name__}: {e}"})
@@ -106,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat: str = "median") -> dict[str, Any]:
+def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat: str = "median",
+              aggregate: int = 0) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     if c.name == "powersgd":
         shapes: list[Sequence[int]] = list(bert_shapes(numel))
@@ -132,11 +140,15 @@ def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat
     timed: dict[str, Callable[[], Any]] = {"time_s": roundtrip, "memcpy_s": lambda: dst.copy_(flat)}
     if c.name == "powersgd":
         timed["matmul_s"] = _matmuls(shapes, getattr(c, "inner", c).config.rank, device, gen)
+    if aggregate and c.collective == "allgather" and c.rounds == 1:
+        timed.update(_aggregation(c.spec, numel, aggregate, device))
     times = _interleaved(timed, repeat, device, statistics.median if stat == "median" else min)
     raw = flat.numel() * 4
     row: dict[str, Any] = {"name": c.name, "spec": c.spec, "numel": flat.numel(), "payload_bytes": sum(sent),
                            "compression_ratio": raw / sum(sent) if sum(sent) else math.inf, **times,
                            "ratio_to_memcpy": times["time_s"] / times["memcpy_s"]}
+    if "aggregate_s" in times:
+        row.update(ranks=aggregate, ratio_aggregate_to_decode=times["aggregate_s"] / times["decode_s"])
     if "matmul_s" in times:
         row["ratio_to_matmul"] = times["time_s"] / times["matmul_s"]
     if c.name == "powersgd":
@@ -168,6 +180,23 @@ def _matmuls(shapes: Sequence[Sequence[int]], rank: int, device: torch.device,
             torch.bmm(p, q2.transpose(1, 2))
 
     return fn
+
+
+def _aggregation(spec: str, numel: int, ranks: int, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """The decode of one payload, and the exchange's aggregation of ``ranks`` payloads."""
+    payloads, ctx = [], None
+    for r in range(ranks):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)).to(device)
+        p, ctx = create(spec).compress_batch([x], "agg")
+        payloads.append(p)
+    c = create(spec)
+
+    def aggregate() -> None:
+        if c.decode_aggregate_batch(payloads, ctx) is None:
+            parts = [c.decompress_batch(p, ctx) for p in payloads]
+            c.aggregate([part[0] for part in parts])
+
+    return {"decode_s": lambda: c.decompress_batch(payloads[0], ctx), "aggregate_s": aggregate}
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int, device: torch.device,
@@ -207,6 +236,12 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace, device: to
                         for i, (v, w) in enumerate(zip(line, widths))).rstrip())
         if j == 0:
             print("  ".join("-" * w for w in widths))
+    aggs = [r for r in rows if "aggregate_s" in r]
+    if aggs:
+        print(f"\naggregation of {aggs[0]['ranks']} ranks' payloads vs one decode:")
+        for r in aggs:
+            print(f"  {r['name']:10s} aggregate {r['aggregate_s'] * 1e3:8.2f} ms  decode "
+                  f"{r['decode_s'] * 1e3:7.2f} ms  {r['ratio_aggregate_to_decode']:5.2f}x")
     for r in rows:
         if "shapes" in r:
             print(f"{r['name']}: {len(r['shapes'])} BERT-shaped matrices, {r['numel']} elements: "
