@@ -442,17 +442,18 @@ ALLGATHER = [s for s in SINGLE_ROUND if create(s).collective == "allgather"]
 
 @pytest.mark.parametrize("spec", ALLGATHER)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_one_pass_aggregation_equals_decode_each_and_aggregate(spec, dtype):
+@pytest.mark.parametrize("ranks", [7, 8])
+def test_one_pass_aggregation_equals_decode_each_and_aggregate(spec, dtype, ranks):
     """Compressors that aggregate the ranks' payloads in one pass (Compressor.decode_aggregate) give
     the same floats as decoding every payload and aggregating, at 8 ranks whose top-k indices
     overlap; and the exchange takes that path."""
     shapes = [(64, 33), (1000,), (7,)]
-    comps = [create(spec) for _ in range(8)]
+    comps = [create(spec) for _ in range(ranks)]
     common = rand((sum(math.prod(s) for s in shapes),), seed=99)  # shared large entries: overlapping indices
     per_rank, ctx = [], None
     for w, c in enumerate(comps):
         noise = rand(common.shape, seed=w)
-        flat = (common * 3 + noise).to(dtype)
+        flat = (common * 0.3 + noise).to(dtype)  # votes both ways, and ties at an even rank count
         tensors = list(torch.split(flat, [math.prod(s) for s in shapes]))
         payload, ctx = c.compress_batch([t.view(s) for t, s in zip(tensors, shapes)], "b")
         per_rank.append(tuple(p.clone() for p in payload))
@@ -461,7 +462,7 @@ def test_one_pass_aggregation_equals_decode_each_and_aggregate(spec, dtype):
     parts = [c.decompress_batch(p, ctx) for p in per_rank]
     plain = [c.aggregate([part[i] for part in parts]) for i in range(len(shapes))]
     if fused is None:
-        taken = create(spec).name in ("topk", "onebit", "threshold") and "ef=ef21" not in spec
+        taken = create(spec).name in ("topk", "onebit", "threshold", "signsgd") and "ef=ef21" not in spec
         assert not taken or dtype != torch.float32, f"{spec}: the one-pass path was not taken"
         return
     for a, b in zip(fused, plain):
@@ -476,3 +477,21 @@ def test_the_exchange_aggregates_in_one_pass(monkeypatch):
     comps = [create("topk:ratio=0.1,ef=true") for _ in range(4)]
     out = sim(comps, [[rand((50,), seed=w)] for w in range(4)])
     assert calls == [] and all(torch.equal(o[0], out[0][0]) for o in out)
+
+
+def test_majority_vote_on_packed_bits_counts_ties_and_abstentions():
+    from gradzip.compress import bitpack
+    gen = torch.Generator().manual_seed(3)
+    for ranks in (1, 2, 3, 4, 8, 9, 16):
+        signs = torch.randint(0, 2, (ranks, 1001), generator=gen).bool()  # True = negative vote
+        neg, tie = bitpack.majority_signs([bitpack.pack(s) for s in signs])
+        count = signs.sum(0)
+        assert torch.equal(bitpack.unpack(neg, 1001), count * 2 > ranks)
+        if ranks % 2:
+            assert tie is None
+        else:
+            assert torch.equal(bitpack.unpack(tie, 1001), count * 2 == ranks) and bool((count * 2 == ranks).any())
+    # a rank whose gradient is all zeros abstains (scale 0): the general path handles it
+    c = create("signsgd")
+    payloads = [c.compress_batch([t], "b") for t in (rand((50,), seed=1), torch.zeros(50), rand((50,), seed=2))]
+    assert c.decode_aggregate_batch([p for p, _ in payloads], payloads[0][1]) is None

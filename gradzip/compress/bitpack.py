@@ -117,6 +117,50 @@ def sum_signs(packeds: list[Tensor], n: int, scales: list[Tensor], dtype: torch.
     return out[:n]
 
 
+def majority_signs(packeds: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    """Majority vote of packed sign codes (bit 1 = negative), computed on the packed bytes: a
+    bit-sliced counter adds the ranks' bits 8 positions per byte op, so no sign is ever unpacked.
+    Returns ``(negative, tie)``, packed: ``negative`` where more than half the ranks voted
+    negative, ``tie`` where exactly half did (None for an odd number of ranks)."""
+    planes: list[Tensor] = []  # bit k of every position's count of negative votes
+    for p in packeds:
+        carry = p.clone()
+        for k in range(len(planes)):
+            nxt = planes[k] & carry
+            planes[k] ^= carry
+            carry = nxt
+        if carry.any() or not planes:
+            planes.append(carry)
+    half = len(packeds) // 2
+    gt = torch.zeros_like(packeds[0])
+    eq = torch.full_like(packeds[0], 255)
+    for k in reversed(range(max(len(planes), half.bit_length()))):  # compare the count with half, MSB first
+        plane = planes[k] if k < len(planes) else torch.zeros_like(gt)
+        if (half >> k) & 1:
+            eq &= plane
+        else:
+            gt |= eq & plane
+            eq &= ~plane
+    return gt, (eq if len(packeds) % 2 == 0 else None)
+
+
+def unpack_votes(negative: Tensor, tie: Tensor | None, n: int, scale: Tensor | float, dtype: torch.dtype) -> Tensor:
+    """Decode a vote (:func:`majority_signs`): ``-scale`` where ``negative``, 0 where ``tie``, else
+    ``+scale``, in one gather: each (tie byte, negative byte) pair selects a row of a 65536 x 8
+    table (2 MiB in fp32, cache-resident)."""
+    if tie is None:
+        return unpack_signs(negative, n, scale, dtype)
+    _check(negative, n)
+    device = negative.device
+    bits = ((torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1).bool()
+    signs = (1.0 - 2.0 * bits.float()) * torch.as_tensor(scale, dtype=torch.float32, device=device)  # by negative byte
+    table = torch.where(bits.unsqueeze(1), 0.0, signs.unsqueeze(0)).reshape(65536, 8).to(dtype)  # [tie, negative]
+    out = empty(negative.numel() * 8, dtype, device)
+    idx = negative.to(torch.int32) | (tie.to(torch.int32) << 8)
+    torch.index_select(table, 0, idx, out=out.view(-1, 8))
+    return out[:n]
+
+
 def mean_abs(x: Tensor) -> Tensor:
     """``mean(|x|)`` as a 0-dim fp32 tensor (0 for an empty tensor), without an |x| temporary on the CPU."""
     n = x.numel()

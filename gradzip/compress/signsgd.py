@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gradzip.compress.base import Payload, numel_of
+from gradzip.compress.bitpack import majority_signs, unpack_votes
 from gradzip.compress.onebit import SignCode
 from gradzip.compress.registry import register
 
@@ -41,3 +43,16 @@ class SignSGD(SignCode):
         scales = [t.reshape(-1)[0].abs().float() for t in tensors] if n else [torch.zeros(())]
         mean_scale = torch.stack(scales).mean()
         return (torch.sign(votes) * mean_scale).to(tensors[0].dtype)
+
+    def decode_aggregate(self, payloads: list[Payload], ctx: tuple[torch.Size, torch.dtype]) -> Tensor | None:
+        # The vote counted on the packed bits (bitpack.majority_signs), then one decode. Every
+        # rank must vote: a scale that is 0 or not finite in the gradient's dtype (an abstaining
+        # or broken rank) takes the general path.
+        shape, dtype = ctx
+        n = numel_of(shape)
+        scales = [p[1].to(dtype).float().abs().reshape(()) for p in payloads]
+        if type(self).decompress is not SignCode.decompress or n == 0 or \
+                not all(bool(torch.isfinite(s)) and float(s) > 0 for s in scales):
+            return None
+        negative, tie = majority_signs([p[0] for p in payloads])
+        return unpack_votes(negative, tie, n, torch.stack(scales).mean(), dtype).view(shape)
