@@ -206,6 +206,14 @@ class Run:
         return None if v is None else float(v)
 
     @property
+    def final_eval_mlm_loss(self) -> float | None:
+        """The masked-LM part of the last eval (from the metrics when the summary predates it)."""
+        v = (self.summary or {}).get("final_eval_mlm_loss")
+        if v is None:
+            v = next((m["eval_mlm_loss"] for m in reversed(self.metrics) if m.get("eval_mlm_loss") is not None), None)
+        return None if v is None else float(v)
+
+    @property
     def final_loss(self) -> float | None:
         v = (self.summary or {}).get("final_loss")
         if v is None and self.train_rows:

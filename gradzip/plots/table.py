@@ -53,8 +53,8 @@ class Delta:
 
 
 def _run_numbers(r: Run, target: Target | None, accs: list[str]) -> dict[str, Any]:
-    d: dict[str, Any] = {"final_eval_loss": r.final_eval_loss}
-    d.update({k: (r.summary or {}).get(k) for k in accs})
+    d: dict[str, Any] = {"final_eval_loss": r.final_eval_loss, "final_eval_mlm_loss": r.final_eval_mlm_loss}
+    d.update({k: (r.summary or {}).get(k) for k in accs if k != "final_eval_mlm_loss"})
     if target:
         hit = r.time_to_target(target)
         d.update(steps_to_target=hit[0] if hit else None, time_to_target_s=hit[1] if hit else None)
@@ -73,6 +73,8 @@ def results_rows(col: Collection, target: Target | None = None) -> tuple[list[st
     # Accuracies where the runs report them (runs made before they existed have none).
     accs = [k for k in ("final_eval_mlm_acc", "final_eval_nsp_acc")
             if any((r.summary or {}).get(k) is not None for r in col.runs)]
+    if accs:  # runs that report accuracies report the masked-LM part of the loss too
+        accs.insert(0, "final_eval_mlm_loss")
     numbers = ["final_eval_loss", "delta_vs_none", *accs]
     if target:
         numbers += ["steps_to_target", "time_to_target_s"]
@@ -109,7 +111,8 @@ def results_rows(col: Collection, target: Target | None = None) -> tuple[list[st
 
 _TITLES = {
     "run": "run", "compressor": "compressor", "final_eval_loss": "final eval loss",
-    "delta_vs_none": "Δ vs none", "final_eval_mlm_acc": "MLM acc", "final_eval_nsp_acc": "NSP acc",
+    "delta_vs_none": "Δ vs none", "final_eval_mlm_loss": "MLM loss", "final_eval_mlm_acc": "MLM acc",
+    "final_eval_nsp_acc": "NSP acc",
     "steps_to_target": "steps to target", "time_to_target_s": "time to target (s)",
     "clock": "clock", "mb_per_step": "MB/step", "seeds": "seeds", "compression_ratio": "compression ×",
     "samples_per_s": "samples/s",

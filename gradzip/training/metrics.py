@@ -149,6 +149,7 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
     summary = {
         "final_loss": last.get("loss"),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "final_eval_mlm_loss": evals[-1].get("eval_mlm_loss") if evals else None,
         "final_eval_mlm_acc": evals[-1].get("eval_mlm_acc") if evals else None,
         "final_eval_nsp_acc": evals[-1].get("eval_nsp_acc") if evals else None,
         "steps": int(last.get("step", 0)),
