@@ -60,6 +60,7 @@ def test_stat_text_and_spread_rule():
     assert stat([1.0, 2.0, None]).text(f) == "1.50 (1.00–2.00)"
     assert stat([1.0, 2.0, 3.0, 4.0]).text(f) == "2.50 ± 1.29"
     assert stat([]).text(f) == "—"
+    assert stat([3.0, 3.0, 3.0]).text(f) == "3.00"  # every seed alike: no range
     a, b = Stat([7.0, 7.2]), Stat([7.5, 7.55])
     assert exceeds_spread(b, a) is True  # |0.425| > 0.2
     assert exceeds_spread(Stat([7.15]), a) is False  # |0.05| <= 0.2

@@ -2,7 +2,7 @@
 
 The results table shows a group's mean with its spread, written as
 
-- ``7.123`` for one seed;
+- ``7.123`` for one seed (or when every seed gives the same number);
 - ``7.123 (7.120–7.127)``, the mean and the min–max range, for 2 or 3 seeds;
 - ``7.123 ± 0.004``, the mean and the sample standard deviation, for 4 seeds or more.
 
@@ -55,7 +55,7 @@ class Stat:
         """The table cell: see the module docstring; ``fmt`` formats one number."""
         if not self.values:
             return "—"
-        if self.n == 1:
+        if self.n == 1 or self.lo == self.hi:  # one seed, or every seed alike (bytes per step)
             return fmt(self.values[0])
         if self.n <= 3:
             return f"{fmt(self.mean)} ({fmt(self.lo)}–{fmt(self.hi)})"
