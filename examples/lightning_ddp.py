@@ -11,6 +11,7 @@ import argparse
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from toy_mlm import Patterns, save_replica, tiny_bert
 
@@ -42,6 +43,7 @@ def main() -> None:
     state, hook = gradzip.ddp_hook(a.compressor)  # no process group yet: it binds at the first step
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=a.steps, default_root_dir=a.out, log_every_n_steps=1,
+        logger=CSVLogger(a.out),  # lightning_logs/version_N/metrics.csv; any Lightning logger works
         strategy=DDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=hook),
         callbacks=[GradzipCallback(state)], enable_progress_bar=False, enable_model_summary=False,
     )
