@@ -123,13 +123,13 @@ def majority_signs(packeds: list[Tensor]) -> tuple[Tensor, Tensor | None]:
     Returns ``(negative, tie)``, packed: ``negative`` where more than half the ranks voted
     negative, ``tie`` where exactly half did (None for an odd number of ranks)."""
     planes: list[Tensor] = []  # bit k of every position's count of negative votes
-    for p in packeds:
+    for i, p in enumerate(packeds, 1):
         carry = p.clone()
         for k in range(len(planes)):
             nxt = planes[k] & carry
             planes[k] ^= carry
             carry = nxt
-        if carry.any() or not planes:
+        if len(planes) < i.bit_length():  # i votes need i.bit_length() bits; no host sync to find out
             planes.append(carry)
     half = len(packeds) // 2
     gt = torch.zeros_like(packeds[0])

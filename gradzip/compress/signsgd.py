@@ -50,9 +50,9 @@ class SignSGD(SignCode):
         # or broken rank) takes the general path.
         shape, dtype = ctx
         n = numel_of(shape)
-        scales = [p[1].to(dtype).float().abs().reshape(()) for p in payloads]
+        scales = torch.stack([p[1].to(dtype).float().abs().reshape(()) for p in payloads])
         if type(self).decompress is not SignCode.decompress or n == 0 or \
-                not all(bool(torch.isfinite(s)) and float(s) > 0 for s in scales):
+                not bool((torch.isfinite(scales) & (scales > 0)).all()):  # one host sync, not one per rank
             return None
         negative, tie = majority_signs([p[0] for p in payloads])
-        return unpack_votes(negative, tie, n, torch.stack(scales).mean(), dtype).view(shape)
+        return unpack_votes(negative, tie, n, scales.mean(), dtype).view(shape)
