@@ -33,3 +33,12 @@ def ddp_hook(spec: str, process_group=None, **kwargs):
     from gradzip.engine.ddp import ddp_hook as _ddp_hook
 
     return _ddp_hook(spec, process_group=process_group, **kwargs)
+
+
+def __getattr__(name: str):
+    """``gradzip.DiLoCo`` and ``gradzip.LocalSGD`` (:mod:`gradzip.engine.diloco`), imported on use."""
+    if name in ("DiLoCo", "LocalSGD"):
+        from gradzip.engine import diloco
+
+        return getattr(diloco, name)
+    raise AttributeError(f"module 'gradzip' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """``gradzip ls``: list the registered compressors, their collective, bias, declared capabilities
-(schemes, per-tensor, identity), parameters and defaults.
+(schemes, per-tensor, identity), parameters and defaults; then the ``--sync`` modes (table only).
 
 Every compressor file registered with :func:`gradzip.compress.registry.register` shows up without
 any edit here. ``--json`` prints the same as a machine-readable list.
@@ -11,6 +11,7 @@ import argparse
 import json
 from typing import Any
 
+from gradzip.cluster.sync import MODES
 from gradzip.compress.registry import describe, registry
 
 
@@ -59,6 +60,10 @@ def table(items: list[dict[str, Any]]) -> str:
     text.append('spec: NAME or NAME:key=value,... e.g. "topk:ratio=0.01,ef=true"; ef=true wraps any compressor in '
                 "error feedback; exchange=SCHEME picks how payloads combine (twophase: compressed allreduce). "
                 "\"x2\": rounds of communication per step.")
+    text.append("")
+    text.append("SYNC (--sync)  when workers exchange; the compressor applies to what each sync sends")
+    width = max(len(m) for m in MODES)
+    text.extend(f"{m.ljust(width)}  {why}" for m, why in MODES.items())
     return "\n".join(text)
 
 

@@ -1,10 +1,11 @@
 """One rank of the multi-process engine tests (tests/test_engine_dist.py), and the shared model,
 data and training loop that the test also runs on the ``sim`` backend as the reference.
 
-    python tests/_engine_dist_worker.py --backend gloo|mpi --out DIR --phases matrix,hier,mismatch,ddp,hang
+    python tests/_engine_dist_worker.py --backend gloo|mpi --out DIR --phases matrix,hier,mismatch,ddp,demo,hang
             [--specs a;b;c]
 
 ``hier``: the hierarchical exchange with two ranks per emulated node (GRADZIP_NODE = rank // 2).
+``demo``: the DeMo optimizer standalone (its own exchanges) and through the engine.
 
 Each rank writes DIR/rank<r>.pt with its results (or DIR/rank<r>.err with a traceback); the
 hang phase's surviving rank writes DIR/rank<r>.hang.pt.
@@ -94,6 +95,38 @@ def train_engine(spec: str, comm, kw: dict | None = None, model: nn.Module | Non
         sgd_step(model)
     engine.detach()
     return {"grads": grads, "params": flat_params(model), "bytes_sent": sent}
+
+
+DEMO_SPEC = "demo:topk=4,chunk=8,decay=0.9"
+DEMO_KW = dict(compression_topk=4, compression_chunk=8, compression_decay=0.9)
+DEMO_LR, DEMO_WD = 0.01, 0.1
+
+
+def train_demo(comm, standalone: bool) -> dict:
+    """STEPS DeMo steps: standalone (``comm``: this rank's Communicator; the optimizer exchanges),
+    or through the engine (``comm``: a Communicator or a SimWorld; the demo compressor, configure)."""
+    from gradzip.engine import attach
+    from gradzip.optim import DeMo
+
+    model = make_model()
+    if standalone:
+        opt = DeMo(model.parameters(), lr=DEMO_LR, weight_decay=DEMO_WD, comm=comm, **DEMO_KW)
+        for step in range(STEPS):
+            model.zero_grad(set_to_none=True)
+            loss_of(model, batch(step, comm.rank)).backward()
+            opt.step()
+        return {"params": flat_params(model)}
+    engine = attach(model, DEMO_SPEC, comm, bucket_cap_mb=0.002, min_compress_numel=0)
+    opt = DeMo(model.parameters(), lr=DEMO_LR, weight_decay=DEMO_WD)
+    for step in range(STEPS):
+        opt.configure(engine)
+        for w in engine.worker_ids:
+            with engine.worker(w):
+                loss_of(model, batch(step, w)).backward()
+        engine.finalize()
+        opt.step()
+    engine.detach()
+    return {"params": flat_params(model)}
 
 
 def train_ddp(spec: str, rank: int) -> dict:
@@ -190,6 +223,8 @@ def main() -> int:
                     res["ddp_late"] = "no error"
                 except GradzipError as e:
                     res["ddp_late"] = str(e)
+        if "demo" in phases:
+            res["demo"] = {"standalone": train_demo(comm, True), "engine": train_demo(comm, False)}
         torch.save(res, out / f"rank{r}.pt")
         if "hang" in phases:  # last: it leaves the communicator broken
             model = make_model()

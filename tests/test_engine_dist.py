@@ -24,7 +24,8 @@ from gradzip.compress.base import key_under
 HERE = Path(__file__).resolve().parent
 LAUNCH_TIMEOUT = 150.0
 FOUR_RANK_SPECS = ["none", "topk:ratio=0.1,ef=true", "powersgd:rank=2", "onebit", "onebit:exchange=twophase",
-                   "topk:ratio=0.1,ef=true,exchange=sparse", "randomk:ratio=0.2,exchange=twophase"]
+                   "topk:ratio=0.1,ef=true,exchange=sparse", "randomk:ratio=0.2,exchange=twophase",
+                   "demo:topk=4,chunk=8"]
 
 
 
@@ -69,7 +70,7 @@ def run(backend: str, n: int, tmp: str) -> dict[int, dict]:
     if backend == "mpi" and (why := mpi_unavailable()):
         pytest.skip(why)
     if n == 2:
-        phases = "matrix,mismatch" + (",ddp,hang" if backend == "gloo" else "")
+        phases = "matrix,mismatch,demo" + (",ddp,hang" if backend == "gloo" else "")
         return _launch(backend, n, phases, "", tmp)
     return _launch(backend, n, "matrix,hier", ";".join(FOUR_RANK_SPECS), tmp)
 
@@ -133,6 +134,18 @@ def test_hierarchical_on_two_nodes_of_two_ranks_matches_sim(backend, tmp_root):
         # sim reports the mean over workers (PowerSGD: only node leaders send across nodes)
         mean = [round(sum(results[r]["hier"][spec]["bytes_sent"][s] for r in range(4)) / 4) for s in range(W.STEPS)]
         assert mean == ref["bytes_sent"], f"{backend} {spec}: bytes differ from sim"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_demo_optimizer_standalone_and_through_the_engine_match_sim(backend, tmp_root):
+    """DeMo with its own exchanges (gradzip.optim.DeMo(comm=...)) and through the engine (the demo
+    compressor, DeMo.configure) give the parameters of the engine on sim, bit for bit."""
+    results = run(backend, 2, tmp_root)
+    ref = W.train_demo(SimWorld(2), standalone=False)["params"]
+    for r in range(2):
+        for mode in ("standalone", "engine"):
+            assert torch.equal(results[r]["demo"][mode]["params"], ref), f"{backend} rank {r} {mode}"
 
 
 # ------------------------------------------------------------------ start-up checks

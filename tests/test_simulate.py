@@ -291,3 +291,188 @@ def test_hierarchical_with_one_gpu_per_node_is_the_flat_prediction():
     for spec in ("fp16", "onebit:exchange=twophase", "powersgd:rank=4"):
         flat, hier = (sim.predict(spec, work(hierarchical=h), cluster(4, 1)) for h in (False, True))
         assert (flat.sent_bytes, flat.comm_s, flat.step_s) == (hier.sent_bytes, hier.comm_s, hier.step_s)
+
+
+# ------------------------------------------------------------------------------ --sync (outer modes)
+SPECS = ["none", "fp16", "powersgd:rank=4", "intk:bits=8", "topk:ratio=0.01,ef=true"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_sync_step_is_the_default(spec):
+    w, cl = work(overlap=0.5, bucket_cap_mb=1.0), cluster(4, 2, a=20e-6)
+    codec = sim.CodecCost(1e-9, 2e-9)
+    p = sim.predict(spec, w, cl, codec)
+    assert p == sim.predict(spec, w, cl, codec, sync="step") == sim.predict(spec, w, cl, codec, sync=" step ")
+    assert p.sync == "step" and p.syncs_per_step == 1.0 and p.outer_s == 0.0
+    assert p.bytes_per_sync == p.peak_sync_bytes == p.payload_bytes
+    assert p.sync_exposed_s == pytest.approx(p.step_s - p.compute_s)
+    assert p.compute_utilisation == p.scaling_efficiency == p.compute_s / p.step_s
+
+
+def test_cli_sync_step_json_equals_the_default(capsys):
+    argv = ["simulate", "--model", "bert-tiny", "--nodes", "2", "--gpus-per-node", "2", "--tokens-per-second", "5600",
+            "--compressor", "fp16", "--compressor", "powersgd:rank=2", "--overlap", "1", "--json"]
+    assert main(argv) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--sync", "step"]) == 0
+    assert json.loads(capsys.readouterr().out) == default
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("h", [1, 7, 100])
+@pytest.mark.parametrize("codec", [sim.CodecCost(), sim.CodecCost(1e-9, 2e-9)], ids=["free", "codec"])
+def test_diloco_sends_one_step_of_bytes_every_h_steps(spec, h, codec):
+    """H inner steps of compute alone, then one exchange of the pseudo-gradient through the same
+    buckets, payloads and collectives as a per-step exchange: bytes per step are the per-step
+    bytes / H; a sync costs the per-step exchange's encode/decode plus its link time."""
+    w, cl = work(bucket_cap_mb=1.0), cluster(4, 1, 1e8, a=50e-6)
+    s = sim.predict(spec, w, cl, codec)
+    d = sim.predict(spec, w, cl, codec, sync=f"diloco:every={h}")
+    assert d.sync == f"diloco:every={h},outer_lr=0.7,momentum=0.9,fragments=1,delay=0"
+    assert d.payload_bytes == s.payload_bytes / h
+    assert d.sent_bytes == pytest.approx(s.sent_bytes / h, abs=1 / h)
+    assert d.bytes_per_sync == d.peak_sync_bytes == s.payload_bytes and d.syncs_per_step == 1 / h
+    assert d.collectives == pytest.approx(s.collectives / h)
+    assert d.compute_s == s.compute_s and d.compression_ratio == s.compression_ratio
+    assert d.sync_exposed_s == pytest.approx(s.compress_s + s.comm_s)  # no encode/link pipelining in a sync
+    assert d.sync_exposed_s >= (s.step_s - s.compute_s) * (1 - 1e-12)  # per step, encoding overlaps the link
+    assert d.step_s == pytest.approx(s.compute_s + (s.compress_s + s.comm_s) / h)
+    assert d.step_s == pytest.approx(d.compute_s + d.compress_s + d.exposed_comm_s + d.outer_s)
+    assert d.comm_s == pytest.approx(s.comm_s / h) and d.compress_s == pytest.approx(s.compress_s / h)
+    assert d.compute_utilisation == pytest.approx(h * d.compute_s / (h * d.compute_s + d.sync_exposed_s))
+    assert 0 < d.compute_utilisation <= 1 and d.compute_utilisation == pytest.approx(d.scaling_efficiency)
+    assert d.tokens_per_s == pytest.approx(4 * w.tokens_per_step / d.step_s)
+    if codec.encode_s == 0:  # nothing to pipeline: one inner step per sync is the per-step exchange
+        assert d.sync_exposed_s == pytest.approx(s.step_s - s.compute_s)
+
+
+def test_localsgd_costs_what_diloco_costs():
+    w, cl = work(), cluster(4, 1, 1e8)
+    a, b = (sim.predict("fp16", w, cl, sync=f"{m}:every=16") for m in ("localsgd", "diloco"))
+    assert (a.payload_bytes, a.step_s, a.sync_exposed_s) == (b.payload_bytes, b.step_s, b.sync_exposed_s)
+
+
+def test_fragments_are_contiguous_groups_of_buckets_as_the_engine_splits_them():
+    from gradzip.engine import diloco
+
+    assert diloco.split_fragments is sim.split_fragments  # one rule for the engine and the simulator
+    assert sim.split_fragments([5, 5, 5, 5], 2) == [[0, 1], [2, 3]]
+    assert sim.split_fragments([10, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4]]
+    assert sim.split_fragments([1, 1, 1, 1, 10], 3) == [[0, 1, 2], [3], [4]]  # every group gets a bucket
+    for model in ("bert-base", "bert-large"):
+        buckets, params = sim.model_buckets(model, None, 25.0, 1024, True, "fp32")
+        for p in (1, 2, 4, 8):
+            groups = sim.split_fragments([b.numel for b in buckets], p)
+            assert [i for g in groups for i in g] == list(range(len(buckets))) and all(groups)
+            sizes = [sum(buckets[i].numel for i in g) for g in groups]
+            assert sum(sizes) == params and max(sizes) <= params / p + max(b.numel for b in buckets)
+    with pytest.raises(sim.GradzipError, match="only 2 buckets"):
+        sim.split_fragments([3, 4], 3)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=4", "intk:bits=8"])
+def test_fragments_divide_the_bytes_of_one_sync(spec):
+    w, cl = work(model="bert-large"), cluster(4, 1, 1e9)
+    whole = sim.predict(spec, w, cl, sync="diloco:every=64")
+    buckets, _ = sim.model_buckets("bert-large", None, 25.0, 1024, sim.separate_small_for(create(spec)), "fp32")
+    for p in (2, 4, 8):
+        f = sim.predict(spec, w, cl, sync=f"diloco:every=64,fragments={p}")
+        # the same buckets in P groups: the same bytes and link time per period, in P syncs
+        assert f.payload_bytes == pytest.approx(whole.payload_bytes, rel=1e-12)
+        assert f.bytes_per_sync == pytest.approx(whole.bytes_per_sync / p) and f.syncs_per_step == p / 64
+        assert f.comm_s == pytest.approx(whole.comm_s) and f.collectives == whole.collectives
+        # the peak is the largest group's payload (exactly), about 1/P of the whole sync
+        groups = sim.fragment_buckets(buckets, p)
+        comp = create(spec)
+        assert f.peak_sync_bytes == max(sim.exchange(comp, g, [0.0] * len(g), w, cl, sim.CodecCost()).payload
+                                        for g in groups)
+        assert whole.peak_sync_bytes / p <= f.peak_sync_bytes
+        if spec in ("none", "fp16"):  # bytes in proportion to elements: within 5 % of 1/P
+            assert f.peak_sync_bytes < 1.05 * whole.peak_sync_bytes / p
+
+
+def test_delay_hides_the_link_behind_inner_steps():
+    """exposed = codec + max(0, link − τ · compute) per fragment: monotone in τ, never below the
+    encode/decode work, never a period shorter than H · compute."""
+    w, cl, codec = work(bucket_cap_mb=1.0), cluster(4, 1, 2e7, a=50e-6), sim.CodecCost(1e-9, 0.0)
+    base = sim.predict("fp16", w, cl, codec, sync="diloco:every=16")
+    link, compute = base.comm_s * 16, base.compute_s
+    assert base.exposed_comm_s == base.comm_s  # τ = 0: the whole link time is exposed
+    assert link > 3 * compute  # a slow link: more than three inner steps of transfer
+    prev = math.inf
+    for tau in range(16):
+        p = sim.predict("fp16", w, cl, codec, sync=f"diloco:every=16,delay={tau}")
+        assert p.exposed_comm_s * 16 == pytest.approx(max(0.0, link - tau * compute))
+        assert p.sync_exposed_s == pytest.approx(p.compress_s * 16 + max(0.0, link - tau * compute))
+        assert p.sync_exposed_s <= prev and p.step_s >= p.compute_s and 0 < p.compute_utilisation <= 1
+        assert p.comm_s == base.comm_s and p.payload_bytes == base.payload_bytes  # hidden, not removed
+        prev = p.sync_exposed_s
+    assert p.exposed_comm_s == 0.0 and p.sync_exposed_s == pytest.approx(p.compress_s * 16)
+    # P fragments, each sent τ steps before it is applied: more delay, less exposed, never below compute
+    prev = math.inf
+    for tau in range(4):
+        p = sim.predict("fp16", w, cl, codec, sync=f"diloco:every=16,fragments=4,delay={tau}")
+        assert p.sync_exposed_s <= prev and p.step_s >= p.compute_s
+        prev = p.sync_exposed_s
+
+
+def test_outer_step_local_work_at_the_memory_bandwidth():
+    w, cl = work(bucket_cap_mb=1.0), cluster(4, 1)
+    a = sim.predict("none", w, cl, sync="diloco:every=10,fragments=2")
+    b = sim.predict("none", w, cl, sync="diloco:every=10,fragments=2", memory_bps=8 * 300e9)
+    assert a.outer_s == 0.0 and b.outer_s == pytest.approx(sim.OUTER_ACCESSES * 4 * TINY / 300e9 / 10)
+    assert b.step_s == pytest.approx(a.step_s + b.outer_s)
+    assert sim.predict("none", w, cl, memory_bps=8 * 300e9) == sim.predict("none", w, cl)  # step: in tokens/s
+
+
+def test_one_worker_diloco_has_no_communication():
+    p = sim.predict("fp16", work(), cluster(1, 1), sync="diloco:every=4")
+    assert p.comm_s == 0.0 and p.collectives == 0 and p.compute_utilisation == 1.0
+
+
+def test_cli_sync_table_and_json(capsys):
+    argv = ["simulate", "--model", "bert-tiny", "--nodes", "4", "--gpus-per-node", "1", "--tokens-per-second",
+            "5600", "--inter-bandwidth", "100mbit", "--compressor", "none", "--compressor", "fp16",
+            "--sync", "step", "--sync", "diloco:every=100", "--memory-bandwidth", "320GB/s", "--tokens", "1e9"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:3] == ["compressor", "sync", "exchange"]
+    assert "util." in lines[1] and "MB/sync" in lines[1] and "sync+" in lines[1] and "days" in lines[1]
+    assert [ln.split()[:2] for ln in lines[2:6]] == [["none", "step"], ["fp16", "step"],
+                                                     ["none", "diloco:every=100"], ["fp16", "diloco:every=100"]]
+    assert main(argv + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    assert [(r["compressor"], r["sync"].split(":")[0]) for r in res] == [
+        ("none", "step"), ("fp16", "step"), ("none", "diloco"), ("fp16", "diloco")]
+    for r in res:
+        for key in ("sync", "syncs_per_step", "bytes_per_sync", "peak_sync_bytes", "sync_exposed_s", "outer_s",
+                    "compute_utilisation"):
+            assert key in r
+        assert 0 < r["compute_utilisation"] <= 1
+    assert res[2]["payload_bytes"] == res[0]["payload_bytes"] / 100 and res[2]["syncs_per_step"] == 0.01
+    assert res[2]["bytes_per_sync"] == res[0]["payload_bytes"] and res[2]["outer_s"] > 0 == res[0]["outer_s"]
+    assert res[2]["step_s"] < res[0]["step_s"] and res[2]["days"] < res[0]["days"]
+
+
+@pytest.mark.parametrize("sync, needle", [
+    ("diloco", "needs every=H"),
+    ("diloco:every=0", "every=0 must be >= 1"),
+    ("diloco:every=ten", "is not an integer"),
+    ("diloco:every=10,fragments=3", "does not divide every=10"),
+    ("diloco:every=8,fragments=2,delay=4", "delay=4 must be in [0, H/P)"),
+    ("diloco:every=8,momentum=1", "momentum=1.0 must be in [0, 1)"),
+    ("localsgd:every=4,outer_lr=1", "has no parameter 'outer_lr'"),
+    ("sgd:every=4", "unknown --sync mode 'sgd'"),
+    ("diloco:every=1000,fragments=500", "but the model has only 1 bucket;"),
+])
+def test_bad_sync_exits_2_with_one_line(sync, needle, capsys):
+    assert main(["simulate", "--tokens-per-second", "1000", "--model", "bert-tiny", "--sync", sync]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_memory_bandwidth_exits_2(capsys):
+    argv = ["simulate", "--tokens-per-second", "1000", "--sync", "diloco:every=4", "--memory-bandwidth", "fast"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--memory-bandwidth" in err and err.count("\n") == 1

@@ -1,4 +1,4 @@
-"""``gradzip bench {compress,engine,train}``: each benchmark is a module of this package that
+"""``gradzip bench {compress,engine,train,sync}``: each benchmark is a module of this package that
 provides ``add_arguments(parser)`` and ``run(args) -> int``."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "compress": ("gradzip.bench.compress", "compress+decompress time of every compressor vs memcpy"),
     "engine": ("gradzip.bench.engine", "engine overhead and overlap vs torch DDP (multi-process Gloo)"),
     "train": ("gradzip.bench.train", "tokens/s of BERT models on this machine"),
+    "sync": ("gradzip.bench.sync", "local work of one DiLoCo sync vs memcpy, and its memory"),
 }
 
 

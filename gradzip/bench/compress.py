@@ -13,11 +13,11 @@ the median (``--stat min``: the minimum) time of ``--repeat`` runs after one war
 statistic of a memcpy of the same bytes (``dst.copy_(src)`` into a preallocated buffer), timed
 interleaved with it in the same run.
 
-PowerSGD gets BERT-base-shaped matrices instead of a flat vector: the last layers' weights
-(768×3072, 3072×768, 4 × 768×768 per layer) as views of one flat bucket in the engine's order, as
-many whole matrices as fit in ``--numel`` (for small ``--numel`` the hidden size is scaled down). It
-is also compared with its own matmuls, the bare batched ``P = M Q``, ``Q = Mᵀ P`` and ``M̂ = P Qᵀ``
-on contiguous stacks of the same shapes.
+The per-tensor compressors (PowerSGD, DeMo) get BERT-base-shaped matrices instead of a flat
+vector: the last layers' weights (768×3072, 3072×768, 4 × 768×768 per layer) as views of one flat
+bucket in the engine's order, as many whole matrices as fit in ``--numel`` (for small ``--numel``
+the hidden size is scaled down). PowerSGD is also compared with its own matmuls, the bare
+batched ``P = M Q``, ``Q = Mᵀ P`` and ``M̂ = P Qᵀ`` on contiguous stacks of the same shapes.
 
 Compressors are measured bare (no error feedback) unless ``--ef`` is given. Targets (benchmark
 results, not tests): fp16/bf16 <= 2x memcpy, onebit <= 4x, topk at 1% <= 10x, PowerSGD rank 4 <=
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat: str = "median",
               aggregate: int = 0) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
-    if c.name == "powersgd":
+    if c.per_tensor:  # PowerSGD, DeMo: their unit is a matrix
         shapes: list[Sequence[int]] = list(bert_shapes(numel))
         flat = torch.randn(sum(n * m for n, m in shapes), generator=gen).to(device)
         tensors, offset = [], 0
@@ -153,7 +153,7 @@ def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat
                    ratio_decode_each_to_decode=times["decode_each_s"] / times["decode_s"])
     if "matmul_s" in times:
         row["ratio_to_matmul"] = times["time_s"] / times["matmul_s"]
-    if c.name == "powersgd":
+    if c.per_tensor:
         row["shapes"] = [list(s) for s in shapes]
     if c.name in TARGETS:
         ref, limit = TARGETS[c.name]

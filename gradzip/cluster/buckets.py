@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gradzip.errors import GradzipError
+
 MiB = 1024 * 1024
 
 
@@ -117,3 +119,24 @@ def coalesce(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch
         runs[-1].append(t)
         sizes[g] = sizes.get(g, 0) + size
     return [run for runs in groups.values() for run in runs if run]
+
+
+def split_fragments(numels: list[int], parts: int) -> list[list[int]]:
+    """Bucket indices (launch order) in ``parts`` contiguous groups of about equal elements: a bucket
+    opens the next group when the running total at its middle passes the group's share, or when
+    every group still empty needs one of the buckets left. Streaming DiLoCo's fragments, in the
+    engine (:mod:`gradzip.engine.diloco`) and in ``gradzip simulate`` alike."""
+    if parts > len(numels):
+        raise GradzipError(f"fragments={parts} but the model has only {len(numels)} "
+                           f"bucket{'s' if len(numels) > 1 else ''}; lower fragments or --bucket-cap-mb (buckets "
+                           "are the smallest unit a fragment can hold)")
+    total = sum(numels)
+    out: list[list[int]] = [[] for _ in range(parts)]
+    acc, k = 0, 0
+    for i, numel in enumerate(numels):
+        left = len(numels) - i
+        if k < parts - 1 and out[k] and (acc + numel / 2 > total * (k + 1) / parts or left <= parts - 1 - k):
+            k += 1
+        out[k].append(i)
+        acc += numel
+    return out

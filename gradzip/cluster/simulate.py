@@ -42,16 +42,40 @@ Per step and per GPU (every GPU does the same work, so one is enough):
 7. step_s from that schedule; exposed_comm_s = step_s − compute_s − compress_s; cluster tokens/s =
    n · tokens per step / step_s; scaling efficiency = (cluster tokens/s) / (n · tokens_per_second)
    = compute_s / step_s; days = tokens · epochs / cluster tokens/s / 86400.
+8. ``--sync`` (:mod:`gradzip.cluster.sync`): ``step`` (default) is 1–7. The outer modes
+   ``diloco:every=H,...,fragments=P,delay=τ`` and ``localsgd:every=H`` (the same traffic: a tensor
+   of the parameters' size and shapes every H steps) replace the gradient exchange:
+
+   - an inner step is compute_s alone (no exchange, no per-step compression);
+   - fragments: the buckets of 2, in launch order, cut into P contiguous groups of about equal
+     elements (:func:`split_fragments`, the DiLoCo engine's rule; a bucket is the smallest unit,
+     so the groups differ by up to a bucket). One sync of a fragment sends its buckets' payloads
+     by the collectives of 3–5 and costs codec_s (encode, between rounds, decode: the compute
+     thread) and link_s (every round of every bucket); as the engine's ``sim`` clock charges it,
+     encoding does not pipeline with the link within a sync;
+   - the outer step's local work (pseudo-gradient, outer optimizer, copy back) is a
+     memory-bound pass of 12 fp32 accesses per parameter of the fragment (``OUTER_ACCESSES``;
+     LocalSGD needs fewer) at ``--memory-bandwidth``; not charged without that flag;
+   - exposure: a fragment is sent τ inner steps before it is applied, so its link time hides
+     behind them: exposed_f = codec_s + max(0, link_s − τ · compute_s) + outer local work
+     (codec and local work stay on the compute thread; τ = 0: fully exposed). τ < H/P, so a
+     fragment has arrived before the next one is sent: the link never queues two fragments;
+   - a period of H steps takes H · compute_s + Σ_f exposed_f. Per step (means over the period):
+     step_s = that / H; bytes = Σ_f payload_f / H (one sync of all P fragments sends what one
+     per-step exchange sends); compress_s, comm_s (link), exposed_comm_s and outer_s are Σ_f / H;
+     compute utilisation = H · compute_s / period = compute_s / step_s (the efficiency of 7).
 
 Ignored on purpose: stragglers and jitter, contention between compression kernels and
 communication, congestion beyond the per-node NIC, the optimizer step's own scaling (it is part of
-tokens_per_second), and start-up (checkpoints, evaluation).
+tokens_per_second), and start-up (checkpoints, evaluation); for the outer modes also the memory
+of the outer state and any change in how many steps training needs to reach the same loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import sys
@@ -60,7 +84,7 @@ from pathlib import Path
 
 import torch
 
-from gradzip.cluster.buckets import MiB, assign_buckets
+from gradzip.cluster.buckets import MiB, assign_buckets, split_fragments
 from gradzip.cluster.exchanges import (  # noqa: F401 - re-exported: the per-bucket models
     flat_bucket,
     hierarchical_bucket,
@@ -77,6 +101,7 @@ from gradzip.cluster.network import (  # noqa: F401 - re-exported: the network m
     alltoall_time,
 )
 from gradzip.cluster.schedule import BucketTiming, model_step
+from gradzip.cluster.sync import SyncSpec, parse_sync
 from gradzip.compress.base import Compressor
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError
@@ -84,6 +109,9 @@ from gradzip.models import MODEL_SIZES, bert_config, parameter_shapes
 from gradzip.units import parse_bandwidth, parse_latency
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The outer step's local work in fp32 accesses per parameter (DiLoCo, Nesterov): Δ = θ_g − θ
+# (read 2, write 1), m = μm + Δ (2, 1), θ_g −= lr(Δ + μm) (3, 1), θ = θ_g (1, 1).
+OUTER_ACCESSES = 12
 
 
 @dataclass(frozen=True)
@@ -129,11 +157,11 @@ class Prediction:
     hierarchical: bool          # the engine's hierarchical exchange (compress only between nodes)
     workers: int
     params: int
-    payload_bytes: int          # per GPU per step, all rounds (the compressor's formula)
-    sent_bytes: int             # per GPU per step by the flat-ring formulas (= the engine's bytes_sent)
-    inter_bytes: int            # of which cross between nodes (less than sent_bytes only when hierarchical)
-    compression_ratio: float    # fp32 gradient bytes / payload bytes
-    collectives: int            # per step
+    payload_bytes: float        # per GPU per step, all rounds (the compressor's formula); outer --sync: mean
+    sent_bytes: float           # per GPU per step by the flat-ring formulas (= the engine's bytes_sent)
+    inter_bytes: float          # of which cross between nodes (less than sent_bytes only when hierarchical)
+    compression_ratio: float    # fp32 gradient bytes / payload bytes (of one whole sync)
+    collectives: float          # per step (outer --sync: mean over the period)
     compute_s: float
     backward_s: float
     compress_s: float
@@ -144,6 +172,13 @@ class Prediction:
     scaling_efficiency: float
     days: float | None = None
     detail: dict[str, float] = field(default_factory=dict)
+    sync: str = "step"          # the --sync spec (canonical spelling)
+    syncs_per_step: float = 1.0  # exchanges per step: 1 for step, P / H for the outer modes
+    bytes_per_sync: float = 0.0  # payload per GPU of one exchange (outer: one fragment, mean over fragments)
+    peak_sync_bytes: float = 0.0  # the largest single exchange (outer: the largest fragment)
+    sync_exposed_s: float = 0.0  # per period of H steps: what the syncs add to H · compute_s (step: H = 1)
+    outer_s: float = 0.0         # per step (mean): the outer step's local work (--memory-bandwidth)
+    compute_utilisation: float = 1.0  # H · compute_s / period = compute_s / step_s
 
 
 # ------------------------------------------------------------------------------ the model's buckets
@@ -167,56 +202,129 @@ def model_buckets(model: str, vocab_size: int | None, cap_mb: float, min_compres
     return out, sum(math.prod(s) for s in shapes.values())
 
 
+def fragment_buckets(buckets: tuple[BucketShape, ...], parts: int) -> list[tuple[BucketShape, ...]]:
+    """The buckets of each of ``parts`` fragments (:func:`split_fragments`)."""
+    return [tuple(buckets[i] for i in group) for group in split_fragments([b.numel for b in buckets], parts)]
+
+
 def separate_small_for(comp: Compressor) -> bool:
     # As the engine: with plain `none`, small tensors ride in the ordinary buckets (no extra collectives).
     return not comp.identity
 
 
-def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost | None = None,
-            tokens: float | None = None, epochs: float = 1.0) -> Prediction:
-    """The cost model of the module docstring for one compressor spec."""
-    codec = codec or CodecCost()
-    comp = create(spec)
+@dataclass
+class Exchange:
+    """The exchange of a list of buckets: totals per GPU and each bucket's timing."""
+
+    payload: float = 0.0
+    sent: float = 0.0
+    inter: float = 0.0
+    calls: int = 0
+    compressed_numel: int = 0
+    timings: list[BucketTiming] = field(default_factory=list)
+    detail: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("allreduce_s", "allgather_s", "twophase_s", "sparse_s", "hierarchical_s"), 0.0))
+
+
+def exchange(comp: Compressor, buckets: tuple[BucketShape, ...], ready: list[float], work: Workload, cl: Cluster,
+             codec: CodecCost) -> Exchange:
+    """Payload, bytes, collectives and timings of ``buckets`` (3–5 of the docstring), bucket i
+    ready at ``ready[i]``."""
     dtype = DTYPES[work.grad_dtype]
     esize = torch.empty((), dtype=dtype).element_size()
+    bucket_model = hierarchical_bucket if work.hierarchical else flat_bucket
+    ex = Exchange()
+    for b, r in zip(buckets, ready):
+        if b.compressed:
+            ex.compressed_numel += b.numel
+            ex.payload += comp.batch_payload_bytes(b.shapes, dtype)
+        else:
+            ex.payload += b.numel * esize
+        bc = bucket_model(comp, b.shapes, b.numel, b.compressed, dtype, cl, codec, r)
+        ex.timings.append(bc.timing)
+        ex.sent, ex.inter, ex.calls = ex.sent + bc.sent, ex.inter + bc.inter, ex.calls + bc.calls
+        ex.detail[bc.kind] += bc.link_s
+    return ex
+
+
+def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost | None = None,
+            tokens: float | None = None, epochs: float = 1.0, sync: str | SyncSpec | None = None,
+            memory_bps: float | None = None) -> Prediction:
+    """The cost model of the module docstring for one compressor spec and one ``--sync`` spec
+    (``memory_bps``: GPU memory bandwidth in bits/s for the outer step's local work, or None)."""
+    codec = codec or CodecCost()
+    comp = create(spec)
+    sync = parse_sync(sync)
+    if sync.outer:
+        return _predict_outer(comp, sync, work, cl, codec, tokens, epochs, memory_bps)
     buckets, params = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
                                     separate_small_for(comp), work.grad_dtype)
     n = cl.workers
-    payload = sent = inter = 0.0
-    calls = compressed_numel = 0
     compute = work.tokens_per_step / work.tokens_per_second
     backward = work.backward_fraction * compute / work.accumulation
     total_numel = sum(b.numel for b in buckets) or 1
-    timings: list[BucketTiming] = []
-    detail = dict.fromkeys(("allreduce_s", "allgather_s", "twophase_s", "sparse_s", "hierarchical_s"), 0.0)
-    bucket_model = hierarchical_bucket if work.hierarchical else flat_bucket
-    done_numel = 0
-    for b in buckets:
-        done_numel += b.numel
-        # The one overlap rule (cluster.schedule): buckets complete in order through the last
-        # `overlap` fraction of the last micro-batch's backward, each when its gradients are done.
-        ready = compute - work.overlap * backward * (1.0 - done_numel / total_numel)
-        if b.compressed:
-            compressed_numel += b.numel
-            payload += comp.batch_payload_bytes(b.shapes, dtype)
-        else:
-            payload += b.numel * esize
-        bc = bucket_model(comp, b.shapes, b.numel, b.compressed, dtype, cl, codec, ready)
-        timings.append(bc.timing)
-        sent, inter, calls = sent + bc.sent, inter + bc.inter, calls + bc.calls
-        detail[bc.kind] += bc.link_s
-    modelled = model_step(compute, timings)
+    # The one overlap rule (cluster.schedule): buckets complete in order through the last
+    # `overlap` fraction of the last micro-batch's backward, each when its gradients are done.
+    ready = [compute - work.overlap * backward * (1.0 - done / total_numel)
+             for done in itertools.accumulate(b.numel for b in buckets)]
+    ex = exchange(comp, buckets, ready, work, cl, codec)
+    modelled = model_step(compute, ex.timings)
     compress, comm, exposed, step = modelled.compress_s, modelled.link_s, modelled.comm_s, modelled.step_s
     tps = n * work.tokens_per_step / step
     return Prediction(
         compressor=comp.spec, exchange=comp.exchange, hierarchical=work.hierarchical, workers=n, params=params,
-        payload_bytes=int(payload), sent_bytes=int(round(sent)), inter_bytes=int(round(inter)),
-        compression_ratio=params * 4 / payload if payload else math.inf,
-        collectives=calls if n > 1 else 0,
+        payload_bytes=int(ex.payload), sent_bytes=int(round(ex.sent)), inter_bytes=int(round(ex.inter)),
+        compression_ratio=params * 4 / ex.payload if ex.payload else math.inf,
+        collectives=ex.calls if n > 1 else 0,
         compute_s=compute, backward_s=backward, compress_s=compress, comm_s=comm, exposed_comm_s=exposed,
         step_s=step, tokens_per_s=tps, scaling_efficiency=compute / step,
         days=None if tokens is None else tokens * epochs / tps / 86400.0,
-        detail={**detail, "compressed_elements": compressed_numel},
+        detail={**ex.detail, "compressed_elements": ex.compressed_numel},
+        sync=str(sync), bytes_per_sync=int(ex.payload), peak_sync_bytes=int(ex.payload),
+        sync_exposed_s=step - compute, compute_utilisation=compute / step,
+    )
+
+
+def _predict_outer(comp: Compressor, sync: SyncSpec, work: Workload, cl: Cluster, codec: CodecCost,
+                   tokens: float | None, epochs: float, memory_bps: float | None) -> Prediction:
+    """8. of the module docstring: H inner steps, then one sync of each of P fragments."""
+    h, n = sync.every, cl.workers
+    buckets, params = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
+                                    separate_small_for(comp), work.grad_dtype)
+    frags = fragment_buckets(buckets, sync.fragments)
+    compute = work.tokens_per_step / work.tokens_per_second
+    total = Exchange()
+    payloads, codec_s, link_s, exposed_link, outer_s = [], 0.0, 0.0, 0.0, 0.0
+    for fb in frags:
+        ex = exchange(comp, fb, [0.0] * len(fb), work, cl, codec)  # every bucket ready at once
+        m = model_step(0.0, ex.timings)  # for its sums: encode/decode work, link time
+        payloads.append(ex.payload)
+        codec_s, link_s = codec_s + m.compress_s, link_s + m.link_s
+        exposed_link += max(0.0, m.link_s - sync.delay * compute)  # hidden behind τ inner steps
+        if memory_bps:
+            outer_s += OUTER_ACCESSES * 4 * sum(b.numel for b in fb) * 8 / memory_bps
+        total.sent, total.inter, total.calls = total.sent + ex.sent, total.inter + ex.inter, total.calls + ex.calls
+        total.compressed_numel += ex.compressed_numel
+        for k, v in ex.detail.items():
+            total.detail[k] += v
+    exposed = codec_s + exposed_link + outer_s
+    period = h * compute + exposed
+    step = period / h
+    tps = n * work.tokens_per_step / step
+    payload = sum(payloads)
+    return Prediction(
+        compressor=comp.spec, exchange=comp.exchange, hierarchical=work.hierarchical, workers=n, params=params,
+        payload_bytes=payload / h, sent_bytes=total.sent / h, inter_bytes=total.inter / h,
+        compression_ratio=params * 4 / payload if payload else math.inf,
+        collectives=total.calls / h if n > 1 else 0,
+        compute_s=compute, backward_s=work.backward_fraction * compute / work.accumulation,
+        compress_s=codec_s / h, comm_s=link_s / h, exposed_comm_s=exposed_link / h, step_s=step,
+        tokens_per_s=tps, scaling_efficiency=compute / step,
+        days=None if tokens is None else tokens * epochs / tps / 86400.0,
+        detail={**{k: v / h for k, v in total.detail.items()}, "compressed_elements": total.compressed_numel},
+        sync=str(sync), syncs_per_step=len(frags) / h, bytes_per_sync=payload / len(frags),
+        peak_sync_bytes=max(payloads), sync_exposed_s=exposed, outer_s=outer_s / h,
+        compute_utilisation=h * compute / period,
     )
 
 
@@ -301,6 +409,9 @@ Example (the projection in docs/simulator.md):
   gradzip simulate --model bert-large --nodes 8 --gpus-per-node 4 --inter-bandwidth 10gbit \\
       --intra-bandwidth 100gbit --tokens-per-second 5600 --batch-size 32 --seq-len 128 \\
       --compressor none --compressor fp16 --compressor topk:ratio=0.01,ef=true --tokens 16.75e9 --epochs 40
+DiLoCo beside per-step exchange (every --sync with every --compressor, one row each):
+  gradzip simulate --model bert-large --nodes 4 --gpus-per-node 1 --tokens-per-second 5600 \\
+      --compressor none --compressor fp16 --sync step --sync diloco:every=100
 """
 
 
@@ -341,6 +452,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds per element per other rank to decode+sum allgathered payloads (default: from the JSON, else 0)")
     a("--tokens", type=float, default=None, help="tokens per epoch, for the days-to-train column (e.g. 16.75e9)")
     a("--epochs", type=float, default=1.0, help="epochs over --tokens (default 1)")
+    a("--sync", action="append", default=None, metavar="SPEC",
+      help="how often workers synchronise: step (default), diloco:every=H[,fragments=P,delay=T,...] or "
+           "localsgd:every=H; repeat for a table (every --sync with every --compressor)")
+    a("--memory-bandwidth", default=None, metavar="BW",
+      help="GPU memory bandwidth (e.g. 320GB/s) for the outer step's local work of diloco/localsgd "
+           "(default: not charged)")
     a("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -372,29 +489,37 @@ def _bandwidth(text: str, flag: str) -> float:
 def run(args: argparse.Namespace) -> int:
     work, cl = _build(args)
     specs = args.compressor or ["none"]
-    preds = []
-    for spec in specs:
-        codec = codec_for(spec, args.encode_cost, args.aggregate_cost)
-        preds.append((predict(spec, work, cl, codec, args.tokens, args.epochs), codec))
-    width = max(12, *(len(s) for s in specs))
+    syncs = [(text.strip(), parse_sync(text)) for text in args.sync or ["step"]]
+    memory = None if args.memory_bandwidth is None else _bandwidth(args.memory_bandwidth, "--memory-bandwidth")
+    codecs = {spec: codec_for(spec, args.encode_cost, args.aggregate_cost) for spec in specs}
+    rows = [(spec, text, predict(spec, work, cl, codecs[spec], args.tokens, args.epochs, sync, memory))
+            for text, sync in syncs for spec in specs]  # every --sync with every --compressor
     if args.json:
         json.dump({"cluster": asdict(cl), "workload": asdict(work),
-                   "results": [dict(asdict(p), codec=asdict(c)) for p, c in preds]}, sys.stdout, indent=1)
+                   "results": [dict(asdict(p), codec=asdict(codecs[spec])) for spec, _, p in rows]},
+                  sys.stdout, indent=1)
         print()
         return 0
-    p0 = preds[0][0]
+    p0, with_sync = rows[0][2], args.sync is not None  # without --sync: the table as before --sync existed
     print(f"{work.model}: {p0.params / 1e6:.1f} M parameters; {cl.nodes} nodes x {cl.gpus_per_node} GPUs = "
           f"{cl.workers} workers; {args.inter_bandwidth} between nodes, {args.intra_bandwidth} inside; "
           f"{cl.algorithm} collectives{'; hierarchical exchange' if work.hierarchical else ''}; "
           f"{work.tokens_per_step} tokens per GPU per step at {work.tokens_per_second:g} tokens/s")
-    head = (f"{'compressor':<{width}} {'exchange':>9} {'MB/GPU':>8} {'ratio':>7} {'compute':>8} {'compress':>9} "
-            f"{'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10} {'eff.':>6}"
-            + (f" {'days':>7}" if args.tokens else ""))
+    width, sw = max(12, *(len(r[0]) for r in rows)), max(4, *(len(r[1]) for r in rows))
+    head = (f"{'compressor':<{width}}" + (f" {'sync':<{sw}}" if with_sync else "")
+            + f" {'exchange':>9} {'MB/GPU':>8} {'ratio':>7} {'compute':>8} {'compress':>9} "
+            f"{'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10} {'util.' if with_sync else 'eff.':>6}"
+            + (f" {'MB/sync':>8} {'sync+':>9}" if with_sync else "") + (f" {'days':>7}" if args.tokens else ""))
     print(head)
-    for spec, (p, _) in zip(specs, preds):
-        line = (f"{spec:<{width}} {p.exchange:>9} {p.payload_bytes / 1e6:>8.2f} {p.compression_ratio:>6.1f}x "
+    for spec, text, p in rows:
+        line = (f"{spec:<{width}}" + (f" {text:<{sw}}" if with_sync else "")
+                + f" {p.exchange:>9} {p.payload_bytes / 1e6:>8.2f} {p.compression_ratio:>6.1f}x "
                 f"{p.compute_s * 1e3:>6.0f}ms {p.compress_s * 1e3:>7.0f}ms {p.comm_s * 1e3:>6.0f}ms "
                 f"{p.exposed_comm_s * 1e3:>6.0f}ms {p.step_s * 1e3:>6.0f}ms {p.tokens_per_s:>10,.0f} "
-                f"{p.scaling_efficiency:>5.0%}")
+                f"{p.scaling_efficiency:>5.0%}"
+                + (f" {p.bytes_per_sync / 1e6:>8.2f} {p.sync_exposed_s * 1e3:>7.0f}ms" if with_sync else ""))
         print(line + (f" {p.days:>7.1f}" if p.days is not None else ""))
+    if with_sync:
+        print("Per step (diloco, localsgd: means over a period of H steps); util. = compute / step.\n"
+              "MB/sync: one exchange (one fragment); sync+: what one period's exchanges add to its H steps.")
     return 0

@@ -40,6 +40,9 @@ them; nothing outside guesses from the type or unwraps ``.inner``):
   buckets as large ones, and there is nothing to encode;
 - ``fixed_size``: the payload's shapes follow from the bucket's shapes and dtype alone (so they are
   the same on every rank, and the allgather needs no size exchange: ``same_shape=True``);
+- ``own_ef``: the compressor keeps its own error feedback (``demo``: its momentum keeps what was
+  not sent), so ``ef=true`` and ``ef=ef21`` would stack a second memory on it: the registry
+  ignores them, with a warning;
 - ``rounds``, ``biased``, ``lossless``, ``default_ef``.
 
 :class:`gradzip.compress.ef.ErrorFeedback` delegates each of them to the compressor it wraps,
@@ -99,6 +102,7 @@ class Compressor(ABC):
         per_tensor: the ``*_batch`` methods want the bucket's tensors one per parameter.
         identity: the payload is the gradient itself (``none``).
         fixed_size: payload shapes depend only on the bucket's shapes and dtype (not its values).
+        own_ef: the compressor is its own error feedback; ``ef=true``/``ef=ef21`` are ignored.
     """
 
     name: ClassVar[str] = ""
@@ -113,6 +117,7 @@ class Compressor(ABC):
     per_tensor: ClassVar[bool] = False
     identity: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True
+    own_ef: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -287,6 +292,45 @@ class KeyCounters:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters = {str(k): int(v) for k, v in state.get("counters", {}).items()}
+
+
+class ReplacedState:
+    """State of compressors that keep one tensor per key and *replace* it each step, never writing
+    a stored tensor in place (DeMo's momentum δ): an undone step restores the old references, at no
+    copy. ``state_dict()`` is ``{state_key: {key: copy}}``. Per-tensor compressors key tensor i of
+    a bucket ``key`` as ``key/i``: :meth:`residuals` gives them in order (DDP's bucket rebuild
+    carries them over), :meth:`set_residuals` sets them (flat fp32 copies)."""
+
+    state: dict[str, Tensor]
+    state_key: ClassVar[str] = "state"
+
+    def begin_step(self) -> None:
+        self._undo = dict(self.state)
+
+    def end_step(self, keep: bool) -> None:
+        undo = self.__dict__.pop("_undo", None)
+        if not keep and undo is not None:
+            self.state = undo
+
+    def forget(self, key: str) -> None:
+        self.state = {k: v for k, v in self.state.items() if not key_under(k, key)}
+
+    def residuals(self, key: str) -> list[Tensor] | None:
+        mine = [self.state.get(f"{key}/{i}") for i in range(sum(key_under(k, key) for k in self.state))]
+        return mine if mine and all(m is not None for m in mine) else None  # type: ignore[return-value]
+
+    def set_residuals(self, key: str, tensors: Sequence[Tensor]) -> None:
+        self.forget(key)
+        self.state.update({f"{key}/{i}": t.detach().float().reshape(-1).clone() for i, t in enumerate(tensors)})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.state_key: {k: v.clone() for k, v in self.state.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) - {self.state_key}:
+            raise ValueError(f"{getattr(self, 'name', '')}: unexpected state keys {sorted(state)}; "
+                             f"expected {self.state_key!r}")
+        self.state = {str(k): v.clone() for k, v in state.get(self.state_key, {}).items()}
 
 
 class BucketCompressor(Compressor):

@@ -3,7 +3,8 @@
 A spec is ``NAME`` or ``NAME:key=value,key=value``, e.g. ``"topk:ratio=0.01,ef=true"`` or
 ``"powersgd:rank=4,warm_start=true"``. Two keys are common to all compressors: ``ef`` wraps the
 compressor in :class:`gradzip.compress.ef.ErrorFeedback` (default: the class's ``default_ef``;
-``ef=ef21`` in :class:`gradzip.compress.ef21.EF21` instead, for biased compressors), and
+``ef=ef21`` in :class:`gradzip.compress.ef21.EF21` instead, for biased compressors; a compressor
+that is its own error feedback, ``own_ef`` such as ``demo``, ignores both with a warning), and
 ``exchange`` picks how payloads are combined, one of the class's ``schemes`` (default: its
 ``collective``), e.g. ``"onebit:exchange=twophase"``.
 
@@ -137,6 +138,9 @@ def create(spec: str | Compressor) -> Compressor:
     if ef_raw is not None and not ef21 and ef_raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         raise SpecError(f"{name}: ef={ef_raw!r} is not one of true, false or ef21")
     ef = cls.default_ef if ef_raw is None else (False if ef21 else _convert(ef_raw, bool, name, "ef"))
+    if cls.own_ef and (ef or ef21):  # a second memory on top of the compressor's own: ignore it
+        _warn_once(name, f"ef={ef_raw} is ignored: {name} keeps its own error feedback (drop ef=)")
+        ef = ef21 = False
     exchange = params.pop("exchange", cls.collective).lower()
     if ef21 and not cls.biased:
         raise SpecError(f"{name}: ef=ef21 is for biased compressors, and {name} is unbiased; drop ef=ef21")
@@ -159,14 +163,19 @@ def create(spec: str | Compressor) -> Compressor:
         raise SpecError(f"{name}: {e}") from None
     comp = cls(config)
     comp.exchange = exchange
-    if ef and (caveat := comp.ef_caveat()) and (name, caveat) not in _WARNED:
-        _WARNED.add((name, caveat))  # once per process: specs are parsed again per worker and rank
-        warnings.warn(f"{name}: {caveat}", stacklevel=2)
+    if ef and (caveat := comp.ef_caveat()):
+        _warn_once(name, caveat)
     if ef21:
         return EF21(comp)
     if ef:
         return ErrorFeedback(comp)
     return comp
+
+
+def _warn_once(name: str, caveat: str) -> None:
+    if (name, caveat) not in _WARNED:
+        _WARNED.add((name, caveat))  # once per process: specs are parsed again per worker and rank
+        warnings.warn(f"{name}: {caveat}", stacklevel=3)
 
 
 def describe(cls: type[Compressor]) -> list[tuple[str, str, Any]]:

@@ -56,12 +56,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--exchange", "how payloads combine, one of the compressor's schemes (gradzip ls): allgather, allreduce, "
          "twophase (compressed allreduce); default: the compressor's own, or the spec's exchange=", show_default=False,
          metavar="SCHEME")
-    flag(g, "--optimizer", "adamw; lamb (You et al. 2019); onebit-adam, onebit-lamb: warm up uncompressed for "
-         "--freeze-step steps, then exchange the momentum compressed (onebit:exchange=twophase unless --compressor)",
+    flag(g, "--sync", "when workers synchronise: step (exchange gradients every step); diloco:every=H[,outer_lr=0.7,"
+         "momentum=0.9,fragments=P,delay=T,alpha=A] (H local steps, then an outer Nesterov step on the averaged "
+         "pseudo-gradient, sent through --compressor); localsgd:every=H (average parameters)", metavar="MODE")
+    flag(g, "--optimizer", "adamw; lamb (You et al. 2019); sgd (--momentum, --weight-decay); onebit-adam, "
+         "onebit-lamb: warm up uncompressed for --freeze-step steps, "
+         "then exchange the momentum compressed (onebit:exchange=twophase unless --compressor); "
+         "demo: DeMo (Peng et al. 2024), local momentum sent as its top DCT coefficients, sign step "
+         "(demo:topk=32,chunk=64,decay=0.999 unless --compressor demo:...)",
          choices=OPTIMIZERS)
     flag(g, "--freeze-step", "onebit-adam/-lamb: warm-up steps before the variance freezes and the momentum is "
          "compressed (below 1: a fraction of --steps)", type=float)
     flag(g, "--lr", "peak learning rate", type=float)
+    flag(g, "--momentum", "--optimizer sgd: heavy-ball momentum in [0, 1)", type=float)
     flag(g, "--warmup", "linear warm-up in steps, or a fraction of --steps if below 1; then linear decay "
          "to 0 at --steps", type=float)
     flag(g, "--dropout", "BERT's hidden and attention dropout probability (0 for short runs that should "
@@ -208,6 +215,10 @@ def _print_summary(s: dict[str, Any]) -> None:
         if s.get("exchange") else ""
     if str(s.get("optimizer", "")).startswith("onebit-"):  # what is compressed is the momentum
         what, how = s.get("optimizer"), f" (momentum sent as {s.get('spec')} after warm-up)"
+    elif s.get("optimizer") == "demo":  # DeMo: its local momentum's top DCT coefficients
+        what, how = "demo", f" (momentum sent as {s.get('spec')})"
+    if s.get("sync", "step") != "step":  # what is compressed is the pseudo-gradient of each sync
+        how += f", {s.get('sync')}: {s.get('syncs')} syncs of {f(s.get('bytes_per_sync'), ',.0f')} bytes"
     print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {what}{how} on "
           f"{s.get('workers')} {s.get('backend')} workers: loss {f(s.get('final_loss'), '.4f')}, "
           f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "

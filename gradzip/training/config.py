@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from gradzip.cluster.sync import SyncSpec, parse_sync
 from gradzip.compress.registry import create, parse_spec
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
@@ -39,8 +40,9 @@ from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
 BACKENDS = ("sim", "gloo", "nccl", "mpi")
-OPTIMIZERS = ("adamw", "lamb", "onebit-adam", "onebit-lamb")
+OPTIMIZERS = ("adamw", "lamb", "sgd", "onebit-adam", "onebit-lamb", "demo")
 ONEBIT_SPEC = "onebit:exchange=twophase"  # what the 1-bit optimizers send, unless --compressor says otherwise
+DEMO_SPEC = "demo:topk=32,chunk=64,decay=0.999"  # what --optimizer demo sends, unless --compressor demo:... says
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -65,6 +67,7 @@ class TrainConfig:
     model: str = "bert-tiny"
     compressor: str = "none"
     exchange: str | None = None  # the scheme (gradzip ls), instead of the spec's exchange=...
+    sync: str = "step"  # step (every step), diloco:every=H,..., localsgd:every=H (gradzip.cluster.sync)
     backend: str = "sim"
     workers: int = 4
     bandwidth: str = "1gbit"
@@ -85,6 +88,7 @@ class TrainConfig:
     warmup: float = 10
     optimizer: str = "adamw"
     weight_decay: float = 0.01
+    momentum: float = 0.0  # --optimizer sgd (heavy-ball)
     precision: str = "fp32"
     clip: float = 1.0
     dropout: float = 0.1  # BERT's hidden and attention dropout
@@ -204,7 +208,33 @@ class TrainConfig:
             parse_log(self.log)
         except GradzipError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None
+        if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
+            raise bad("momentum", f"must be in [0, 1), got {self.momentum}")
+        self._check_sync(source)
         self._check_names(source)
+        demo_spec = parse_spec(self.spec)[0] == "demo"
+        if self.optimizer == "demo" and not demo_spec:
+            raise GradzipError(f"{_pre(source)}--optimizer demo needs the demo compressor (DeMo sends its momentum's "
+                               f"top DCT coefficients), not --compressor {self.compressor}; leave --compressor out "
+                               f"({DEMO_SPEC}) or give demo:...")
+        if demo_spec and self.optimizer != "demo":
+            raise GradzipError(f"{_pre(source)}--compressor {self.compressor} needs --optimizer demo (its sign step "
+                               f"on the decoded momentum is what makes it DeMo), not --optimizer {self.optimizer}")
+
+    @property
+    def sync_spec(self) -> SyncSpec:
+        """``--sync`` parsed (validated by :meth:`validate`)."""
+        return parse_sync(self.sync)
+
+    def _check_sync(self, source: str) -> None:
+        try:
+            sync = parse_sync(self.sync)
+        except SpecError as e:
+            raise GradzipError(f"{_pre(source)}{e}") from None
+        if sync.outer and (self.optimizer.startswith("onebit-") or self.optimizer == "demo"):
+            raise GradzipError(f"{_pre(source)}--sync {sync.mode} takes an inner optimizer that steps on local "
+                               f"gradients (adamw, lamb, sgd), not --optimizer {self.optimizer}, which exchanges "
+                               "every step itself")
 
     @property
     def spec(self) -> str:
@@ -212,6 +242,8 @@ class TrainConfig:
         optimizers send the momentum with ``onebit:exchange=twophase`` unless told otherwise."""
         if self.optimizer.startswith("onebit-") and self.compressor == "none" and self.exchange is None:
             return ONEBIT_SPEC
+        if self.optimizer == "demo" and self.compressor == "none" and self.exchange is None:
+            return DEMO_SPEC
         if self.exchange is None:
             return self.compressor
         _, params = parse_spec(self.compressor)

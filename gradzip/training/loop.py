@@ -28,6 +28,8 @@ import torch
 
 from gradzip.comm.cost import allreduce_bytes
 from gradzip.engine import attach
+from gradzip.engine.diloco import DiLoCo, outer_sgd
+from gradzip.engine.stats import StepStats
 from gradzip.errors import TrainingError
 from gradzip.models import BertForPreTraining, bert_config
 from gradzip.training import checkpoint
@@ -43,6 +45,32 @@ from gradzip.training.rng import WorkerRNG, seed_everything
 from gradzip.training.runtime import build_data, create_runtime
 
 __all__ = ["TrainConfig", "train"]
+
+
+def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runtime: Any, step: int, w: int,
+             losses: torch.Tensor, engine: Any = None) -> tuple[int, int]:
+    """Worker ``w``'s micro-batches of ``step``: forward and backward (the engine, when given,
+    exchanges after the last one); adds [loss, mlm, nsp] averaged over them to ``losses``.
+    Returns (tokens, samples)."""
+    tokens = samples = 0
+    for micro in range(cfg.accumulation):
+        batch = data.batch("train", step=step * cfg.accumulation + micro, worker=w,
+                           num_workers=runtime.num_workers, batch_size=cfg.batch_size, seed=cfg.seed)
+        tokens += int(batch["attention_mask"].sum())
+        samples += int(batch["input_ids"].shape[0])
+        sync = engine is None or micro == cfg.accumulation - 1  # exchange only after the last micro-batch
+        with contextlib.nullcontext() if sync else engine.no_sync():
+            with precision.autocast():
+                res = model(**to_device(batch, runtime.device))
+            precision.backward(res.loss / cfg.accumulation)
+        losses += torch.stack([res.loss, res.mlm_loss, res.nsp_loss]).detach().double() / cfg.accumulation
+    return tokens, samples
+
+
+def _finite(params: list[torch.Tensor]) -> bool:
+    """True when every gradient is finite (one host sync; an overflowing fp32 sum counts as not)."""
+    sums = [torch.sum(p.grad, dtype=torch.float32) for p in params if p.grad is not None]
+    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -71,11 +99,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model = BertForPreTraining(model_cfg).to(runtime.device)
         params = [p for p in model.parameters() if p.requires_grad]
 
-        # -- engine, optimizer, LR schedule, precision, per-worker RNG streams ----------------
-        engine = attach(model, cfg.spec, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
-                        min_compress_numel=cfg.min_compress_numel, agree=cfg.agreement(),
-                        hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
-        optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay, cfg.freeze_steps)
+        # -- engine (per-step exchange, or DiLoCo's rare syncs), optimizer, LR schedule, precision,
+        # per-worker RNG streams ---------------------------------------------------------------
+        sync = cfg.sync_spec
+        optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay, cfg.freeze_steps, cfg.momentum)
+        if sync.outer:  # the inner optimizer steps on local gradients; DiLoCo syncs every H steps
+            engine: Any = DiLoCo(model, optimizer, outer_sgd(model, sync), runtime.target, sync.every, cfg.spec,
+                                 sync.fragments, sync.delay, sync.alpha, bucket_cap_mb=cfg.bucket_cap_mb,
+                                 min_compress_numel=cfg.min_compress_numel, hierarchical=cfg.hierarchical,
+                                 intra_dtype=cfg.intra_dtype, agree=cfg.agreement(), hook=False)
+        else:
+            engine = attach(model, cfg.spec, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
+                            min_compress_numel=cfg.min_compress_numel, agree=cfg.agreement(),
+                            hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
         configure = getattr(optimizer, "configure", None)  # 1-bit Adam/LAMB: what the engine exchanges
         schedule = WarmupDecay(optimizer, cfg.lr, cfg.warmup_steps, cfg.steps)
         precision = Precision(cfg.precision, runtime.device)
@@ -109,37 +145,54 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if configure is not None:
                 configure(engine)
             tokens = samples = 0
-            for w in engine.worker_ids:
-                faults.before_step(step + 1, w)
-                with rngs.use(w), engine.worker(w), faults.gradients(model, step + 1, w):
-                    # worker w: its dropout stream, its compressor state
-                    for micro in range(cfg.accumulation):
-                        batch = data.batch("train", step=step * cfg.accumulation + micro, worker=w,
-                                           num_workers=runtime.num_workers, batch_size=cfg.batch_size, seed=cfg.seed)
-                        tokens += int(batch["attention_mask"].sum())
-                        samples += int(batch["input_ids"].shape[0])
-                        sync = micro == cfg.accumulation - 1  # exchange only after the last micro-batch
-                        with contextlib.nullcontext() if sync else engine.no_sync():
-                            with precision.autocast():
-                                res = model(**to_device(batch, runtime.device))
-                            precision.backward(res.loss / cfg.accumulation)
-                        parts = torch.stack([res.loss, res.mlm_loss, res.nsp_loss]).detach().double()
-                        losses += parts / cfg.accumulation
-            stats = engine.finalize()  # averaged gradients are in p.grad now
-
-            # -- metrics, and how many workers saw inf/NaN, summed over ranks (real backends: the
-            # flag rides on this reduction, which is not counted as exchange bytes; sim: local) --
-            loss, mlm, nsp, tokens, samples, bad = runtime.sum_over_ranks(
-                [*losses.tolist(), tokens, samples, stats.nonfinite])
-            t_opt = time.perf_counter()
-            if bad:  # every rank takes this branch: skip the optimizer and the compressors' updates
-                engine.skip_step()
-                precision.skip()
-                grad_norm = float("nan")
-                progress["skips_in_a_row"] = progress.get("skips_in_a_row", 0) + 1
+            if sync.outer:  # each worker: its batches, then its own inner step (skipped alone if not finite)
+                t_inner = time.perf_counter()
+                norms, bad = [], 0
+                for w in engine.worker_ids:
+                    faults.before_step(step + 1, w)
+                    with engine.worker(w):  # sim: worker w's replica and inner optimizer state
+                        optimizer.zero_grad(set_to_none=True)
+                        with rngs.use(w), faults.gradients(model, step + 1, w):
+                            t, s = _batches(model, data, cfg, precision, runtime, step, w, losses)
+                        tokens, samples = tokens + t, samples + s
+                        if _finite(params):
+                            norms.append(precision.step(optimizer, params, cfg.clip))
+                        else:
+                            precision.skip()
+                            bad += 1
+                compute = (time.perf_counter() - t_inner) / len(engine.worker_ids)
+                synced = engine.after_inner_step(compute)  # sends/applies the fragments due now
+                stats = StepStats(compute_s=compute, compress_s=synced.compress_s, comm_s=synced.exposed_s,
+                                  bytes_sent=synced.bytes_sent, bytes_recv=synced.bytes_recv,
+                                  step_s=compute + synced.compress_s + synced.exposed_s,
+                                  clock="modelled" if runtime.comm is None else runtime.comm.clock,
+                                  link_s=synced.link_s, intra_bytes_sent=synced.intra_bytes_sent)
+                loss, mlm, nsp, tokens, samples, bad = runtime.sum_over_ranks([*losses.tolist(), tokens, samples, bad])
+                grad_norm = sum(norms) / len(norms) if norms else float("nan")
+                progress["skips_in_a_row"] = progress.get("skips_in_a_row", 0) + 1 if bad else 0
+                t_opt = time.perf_counter()
             else:
-                grad_norm = precision.step(optimizer, params, 0.0 if momentum else cfg.clip)
-                progress["skips_in_a_row"] = 0
+                for w in engine.worker_ids:
+                    faults.before_step(step + 1, w)
+                    with rngs.use(w), engine.worker(w), faults.gradients(model, step + 1, w):
+                        # worker w: its dropout stream, its compressor state
+                        t, s = _batches(model, data, cfg, precision, runtime, step, w, losses, engine)
+                        tokens, samples = tokens + t, samples + s
+                stats = engine.finalize()  # averaged gradients are in p.grad now
+
+                # -- metrics, and how many workers saw inf/NaN, summed over ranks (real backends: the
+                # flag rides on this reduction, which is not counted as exchange bytes; sim: local) --
+                loss, mlm, nsp, tokens, samples, bad = runtime.sum_over_ranks(
+                    [*losses.tolist(), tokens, samples, stats.nonfinite])
+                t_opt = time.perf_counter()
+                if bad:  # every rank takes this branch: skip the optimizer and the compressors' updates
+                    engine.skip_step()
+                    precision.skip()
+                    grad_norm = float("nan")
+                    progress["skips_in_a_row"] = progress.get("skips_in_a_row", 0) + 1
+                else:
+                    grad_norm = precision.step(optimizer, params, 0.0 if momentum else cfg.clip)
+                    progress["skips_in_a_row"] = 0
             schedule.step()
             opt_s = time.perf_counter() - t_opt
             progress["step"] = step = step + 1
@@ -153,7 +206,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
                 bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
                 clock=stats.clock, host_s=progress["host_s"],
-                bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent), skipped=bool(bad))
+                bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent), skipped=bool(bad),
+                syncs=synced.applied if sync.outer else 1)
             eval_now = step == last or (cfg.eval_every and step % cfg.eval_every == 0)
             if runtime.is_main and cfg.eval_batches and eval_now:
                 ev = evaluate(model, data, cfg, precision, runtime.device)
@@ -175,7 +229,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # -- summary (from the whole metrics file, so resumed runs are covered) ------------------
         if not runtime.is_main:
             return {"rank": runtime.rank}
-        info = {"model": cfg.model, "compressor": cfg.compressor, "exchange": engine.compressor.exchange,
+        info = {"model": cfg.model, "compressor": cfg.compressor, "sync": str(sync),
+                "exchange": engine.compressors[0].exchange if sync.outer else engine.compressor.exchange,
                 "spec": engine.spec,
                 "hierarchical": cfg.hierarchical,
                 "backend": cfg.backend, "workers": n,

@@ -19,7 +19,11 @@ bytes_inter    the part of ``bytes_sent`` that crossed between nodes (all of it 
                share a node: ``--ranks-per-node``, or a launcher's nodes under ``--hierarchical``)
 grad_norm      global gradient norm before clipping (of the averaged gradient; null when skipped)
 skipped        true when some rank's gradient had an inf or NaN: every rank skipped the optimizer
-               step and the compressors' state updates (the LR schedule still advances)
+               step and the compressors' state updates (the LR schedule still advances); with
+               ``--sync diloco``/``localsgd``, the workers that saw it skipped their inner step
+syncs          exchanges completed this step: 1 with ``--sync step``; with ``diloco``/``localsgd``,
+               the fragments applied (0 between syncs; a fragment sent with ``delay`` counts, with
+               its bytes, at the step it is applied), so bytes per sync = total bytes / total syncs
 clock          "modelled" (``sim``: α–β network model) or "measured" (real backends)
 host_s         real seconds since the run started, cumulative over resumes
 eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``), masked-token
@@ -69,6 +73,7 @@ class StepRecord:
     host_s: float
     bytes_inter: int = 0
     skipped: bool = False
+    syncs: int = 1
     eval_loss: float | None = None
     eval_mlm_loss: float | None = None
     eval_nsp_loss: float | None = None
@@ -141,6 +146,7 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
     tokens = int(last.get("tokens", 0))
     sent = sum(r.get("bytes_sent", 0) for r in records)
     bytes_per_step = sent / n if n else 0.0
+    syncs = sum(int(r.get("syncs", 1)) for r in records)
 
     def mean(key: str) -> float | None:
         vals = [r[key] for r in records if r.get(key) is not None]
@@ -157,6 +163,9 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         "samples": int(last.get("samples", 0)),
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "bytes_per_step": bytes_per_step,
+        "bytes_total": sent,
+        "syncs": syncs,
+        "bytes_per_sync": sent / syncs if syncs else None,
         "inter_bytes_per_step": sum(r.get("bytes_inter", r.get("bytes_sent", 0)) for r in records) / n if n else 0.0,
         "uncompressed_bytes_per_step": uncompressed_bytes,
         "compression_ratio": (uncompressed_bytes / bytes_per_step) if bytes_per_step > 0 else None,

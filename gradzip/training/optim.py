@@ -1,8 +1,10 @@
 """Optimizers and the learning-rate schedule of ``gradzip train``.
 
 - ``adamw``: :class:`torch.optim.AdamW` (β = 0.9, 0.999; ε = 1e-6 as in BERT).
+- ``sgd``: :class:`torch.optim.SGD` with ``--momentum`` (heavy-ball) and L2 weight decay.
 - ``lamb``: :class:`Lamb`, our implementation of You et al. 2019, "Large Batch Optimization for
   Deep Learning: Training BERT in 76 minutes" (Algorithm 2).
+- ``demo``: DeMo (:mod:`gradzip.training.demo_optim`), the sign of the decoded ``demo`` exchange.
 - ``onebit-adam``, ``onebit-lamb``: 1-bit Adam and 1-bit LAMB, which compress the momentum
   (:mod:`gradzip.training.onebit_optim`).
 - Weight decay is decoupled and skips biases and LayerNorm parameters (every tensor with fewer
@@ -39,7 +41,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
-                    freeze_step: int = 1) -> torch.optim.Optimizer:
+                    freeze_step: int = 1, momentum: float = 0.0) -> torch.optim.Optimizer:
     """``adamw``, ``lamb``, ``onebit-adam`` or ``onebit-lamb`` over :func:`param_groups`
     (``freeze_step``: the 1-bit optimizers' warm-up)."""
     groups = param_groups(model, weight_decay)
@@ -52,9 +54,19 @@ def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,
         for g in groups:
             g.pop("adapt")
         return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
+    if name == "sgd":  # weight decay as L2 in the gradient (torch's SGD), biases and LayerNorm excepted
+        for g in groups:
+            g.pop("adapt")
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "demo":  # the compression settings are the engine's demo:... spec
+        from gradzip.training.demo_optim import DeMo
+
+        for g in groups:
+            g.pop("adapt")
+        return DeMo(groups, lr=lr, weight_decay=weight_decay)
     if name == "lamb":
         return Lamb(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; choose adamw, lamb, onebit-adam or onebit-lamb")
+    raise ValueError(f"unknown optimizer {name!r}; choose adamw, lamb, sgd, onebit-adam, onebit-lamb or demo")
 
 
 def adam_state(state: dict[str, Any], p: Tensor) -> tuple[float, Tensor, Tensor]:

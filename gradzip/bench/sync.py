@@ -1,0 +1,106 @@
+"""``gradzip bench sync``: the local work of one DiLoCo sync and the memory it costs, against a memcpy.
+
+For each ``--compressor``, one rank (a one-process Gloo group, so the exchange has nobody to talk
+to and the network is excluded; the rank path of :class:`DiLoCo`, no simulated replicas) syncs
+after every inner step (H = 1) of a BERT model (``--model``, no forward/backward: the parameters
+are perturbed in place instead). Timed, interleaved
+round by round with a memcpy of the same number of parameter bytes:
+
+- ``sync_s``: :meth:`DiLoCo.after_inner_step` at a sync: pseudo-gradient Δ = θ_global − θ_local,
+  compress + decode, the outer Nesterov step on θ_global, copy back into the model;
+- ``memcpy_s``: one copy of every parameter (a flat tensor of the same size);
+- ``ratio`` = sync_s / memcpy_s. Target (issue 18): <= 3 for the local work of one sync.
+
+Memory: ``extra_bytes`` is what DiLoCo holds beyond the model and the inner optimizer, per rank:
+θ_global, the outer optimizer's state (Nesterov momentum: one more copy) and the compressor's
+state (error memory with ``ef=true``), reported also as multiples of the parameter bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from gradzip.comm import init_communicator
+from gradzip.comm.launch import free_port
+from gradzip.engine.diloco import DiLoCo
+from gradzip.models import bert_config
+from gradzip.models.bert import BertForPreTraining
+
+TARGET = 3.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="bert-mini", help="BERT size (default: bert-mini)")
+    parser.add_argument("--compressor", nargs="+", default=["none", "int8bins", "intk:bits=4",
+                                                            "topk:ratio=0.01,ef=true"],
+                        help="pseudo-gradient compressors (default: none int8bins intk:bits=4 topk+EF)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="outer Nesterov momentum (default: 0.9)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: 5)")
+    parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def measure(model_name: str, spec: str, momentum: float, rounds: int, comm: Any) -> dict[str, Any]:
+    cfg = bert_config(model_name, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = BertForPreTraining(cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    inner = torch.optim.SGD(params, lr=0.0)
+    outer = torch.optim.SGD(params, lr=0.7, momentum=momentum, nesterov=momentum > 0, foreach=True)
+    sync = DiLoCo(model, inner, outer, comm, 1, spec, hook=False)
+    numel = sum(p.numel() for p in params)
+    src, dst = torch.randn(numel), torch.empty(numel)
+    noise = [torch.randn_like(p) * 1e-3 for p in params]
+    sync_s, copy_s = [], []
+    for r in range(rounds + 1):  # round 0 warms up (allocations, outer state)
+        with torch.no_grad():
+            for p, n in zip(params, noise):
+                p.add_(n)  # as if the inner steps had moved the parameters
+        t0 = time.perf_counter()
+        sync.after_inner_step()
+        t1 = time.perf_counter()
+        dst.copy_(src)
+        t2 = time.perf_counter()
+        if r:
+            sync_s.append(t1 - t0)
+            copy_s.append(t2 - t1)
+    extra = _tensor_bytes(sync.global_) + _tensor_bytes(outer.state_dict()["state"]) + \
+        _tensor_bytes(sync.compressors[0].state_dict())
+    s, c = statistics.median(sync_s), statistics.median(copy_s)
+    return {"model": model_name, "compressor": spec, "params": numel, "sync_s": s, "memcpy_s": c,
+            "ratio": s / c, "target": TARGET, "extra_bytes": extra, "extra_x_params": extra / (4 * numel)}
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    comm = init_communicator("gloo")
+    try:
+        rows = [measure(args.model, spec, args.momentum, args.rounds, comm) for spec in args.compressor]
+    finally:
+        comm.close()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{rows[0]['model']}: {rows[0]['params']:,} parameters; one sync's local work vs one memcpy of them "
+          f"(median of {args.rounds}); target <= {TARGET:g}x")
+    print(f"{'compressor':<26}{'sync ms':>9}{'memcpy ms':>11}{'ratio':>8}{'extra MB':>10}{'x params':>10}")
+    for r in rows:
+        print(f"{r['compressor']:<26}{r['sync_s'] * 1e3:>9.2f}{r['memcpy_s'] * 1e3:>11.2f}{r['ratio']:>7.2f}x"
+              f"{r['extra_bytes'] / 1e6:>10.1f}{r['extra_x_params']:>10.2f}")
+    return 0

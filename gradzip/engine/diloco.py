@@ -1,0 +1,408 @@
+"""Synchronise rarely: DiLoCo, Streaming DiLoCo and LocalSGD, with any compressor and exchange scheme.
+
+DiLoCo (Douillard et al. 2023, arXiv 2311.08105): each worker takes H inner steps of its own
+optimizer on its own data; then the workers average the *pseudo-gradient* Δ = θ_global − θ_local
+and every worker takes one *outer* step on the global copy (Nesterov SGD, lr 0.7, momentum 0.9 in
+the paper). Per sync, on each worker:
+
+1. Δ ← θ_global − θ_local, per bucket (the engine's bucket plan, :mod:`gradzip.cluster.buckets`);
+2. Δ goes through the worker's compressor (and its error memory, keyed per bucket) and the exchange
+   scheme (``allreduce``, ``allgather``, ``twophase``, ``sparse``, hierarchical), exactly as a
+   gradient does in :class:`gradzip.engine.Engine`; every byte is counted by the communicator;
+3. the outer optimizer steps on θ_global with the averaged Δ as its gradient;
+4. θ_local ← α·θ_local + (1 − α)·θ_global (α = ``fragment_update_alpha``, 0 by default).
+
+Streaming DiLoCo (arXiv 2501.18512): ``fragments=P`` splits the buckets into P contiguous groups of
+about equal size; fragment f is sent at inner step H − τ − (P−1−f)·H/P of each period and applied
+τ = ``fragment_sync_delay`` steps later, its collectives travelling during those inner steps (async
+handles on gloo/mpi; on ``sim`` the link time is hidden behind the compute of those steps). Peak
+bytes of one sync fall by P. LocalSGD is DiLoCo with an outer SGD of lr 1 and no momentum: the new
+θ_global is the average of the workers' parameters.
+
+Use (one process per rank; the user's loop is unchanged, a step post-hook does the rest)::
+
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    diloco = gradzip.DiLoCo(model, inner, outer, comm, sync_every=16, compressor="intk:bits=4")
+    for batch in data:
+        model(**batch).loss.backward(); inner.step(); inner.zero_grad()
+
+With a :class:`SimWorld`, one process hosts every worker: run each worker's step inside
+``with diloco.worker(w):`` (its replica is swapped into the model and its inner optimizer state into
+``inner``); the sync runs once every worker stepped. Memory per rank: one copy of the parameters
+(θ_global), the outer optimizer's state (one more copy for momentum) and the compressor's error
+memory (one more copy with ``ef=true``); ``sim`` adds N replicas and N inner optimizer states.
+
+Contract: the outer optimizer must be built over the model's parameters; inner gradients are left
+in place (other tensors' ``.grad`` is restored after the outer step). DDP's per-step allreduce does
+not apply: do not wrap the model in DDP or attach the per-step engine as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradzip.cluster.buckets import Bucket, MiB, assign_buckets, split_fragments
+from gradzip.cluster.sync import SyncSpec, parse_sync
+from gradzip.comm.base import Communicator
+from gradzip.comm.sim import SimWorld
+from gradzip.compress.base import flatten, unflatten
+from gradzip.compress.none import NoCompression
+from gradzip.compress.registry import create
+from gradzip.engine.handshake import broadcast_state, check_agreement, fingerprint
+from gradzip.engine.hierarchical import HierarchicalScheme
+from gradzip.engine.schemes import SchemeState
+from gradzip.errors import GradzipError, SpecError
+
+
+@dataclass
+class SyncStats:
+    """What the syncs completed at one inner step cost (zeros on other steps). Bytes: what each sync
+    sent from its launch to its end (a delayed fragment's bytes count at the step it is applied),
+    mean over the workers hosted here; ``link_s``: modelled link seconds (sim) or measured wait (real)."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    intra_bytes_sent: int = 0
+    compress_s: float = 0.0
+    link_s: float = 0.0
+    exposed_s: float = 0.0  # link time not hidden behind inner steps (sim: modelled; real: measured wait)
+    sent: int = 0  # fragments sent at this step
+    applied: int = 0  # fragments applied at this step
+
+
+class DiLoCo:
+    """See the module docstring. ``comm``: a Communicator (one rank per process) or a SimWorld.
+    ``hook=False`` leaves the call of :meth:`after_inner_step` to the caller (``gradzip train``)."""
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: torch.optim.Optimizer, comm: Communicator | SimWorld, sync_every: int,
+                 compressor: str = "none", fragments: int = 1, fragment_sync_delay: int = 0,
+                 fragment_update_alpha: float = 0.0, *, bucket_cap_mb: float = 25.0, min_compress_numel: int = 1024,
+                 hierarchical: bool = False, intra_dtype: str = "native", agree: dict[str, Any] | None = None,
+                 hook: bool = True) -> None:
+        try:
+            self.sync = parse_sync(f"localsgd:every={sync_every},fragments={fragments},delay={fragment_sync_delay}")
+        except SpecError as e:
+            raise GradzipError(str(e).replace("--sync localsgd: ", "DiLoCo: ")) from None
+        if not 0.0 <= fragment_update_alpha <= 1.0:
+            raise GradzipError(f"DiLoCo: fragment_update_alpha={fragment_update_alpha} must be in [0, 1]")
+        self.alpha = float(fragment_update_alpha)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise GradzipError("DiLoCo replaces DDP's per-step allreduce: pass the module itself "
+                               "(model.module), not the DistributedDataParallel wrapper")
+        self.model, self.inner, self.outer = model, inner_optimizer, outer_optimizer
+        self.sim = isinstance(comm, SimWorld)
+        self.comms: list[Communicator] = list(comm.comms) if isinstance(comm, SimWorld) else [comm]
+        base = create(compressor)
+        self.spec = base.spec
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        outer_ids = {id(p) for g in outer_optimizer.param_groups for p in g["params"]}
+        if not all(id(p) in outer_ids for p in self.params):
+            raise GradzipError("DiLoCo: the outer optimizer must be built over the model's parameters "
+                               "(e.g. torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True))")
+        cap = max(1, int(bucket_cap_mb * MiB))
+        self.buckets: list[Bucket] = assign_buckets(named, cap, min_compress_numel, separate_small=not base.identity)
+        self.fragments = split_fragments([b.numel for b in self.buckets], self.sync.fragments)
+        options = {"bucket_cap_mb": bucket_cap_mb, "min_compress_numel": min_compress_numel,
+                   "hierarchical": hierarchical, "intra_dtype": intra_dtype, "sync": str(self.sync),
+                   "alpha": self.alpha}
+        check_agreement(self.comms, [fingerprint(named, self.spec, options, agree)] * len(self.comms))
+        state = [p for _, p in model.named_parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+        broadcast_state(self.comms, state, cap, shared=self.sim)
+        self.compressors = [base] + [create(self.spec) for _ in self.comms[1:]]
+        self.schemes = [HierarchicalScheme(c, m, _intra(intra_dtype)) if hierarchical else SchemeState(c, m)
+                        for c, m in zip(self.compressors, self.comms)]
+        for s in self.schemes:
+            s.bind()
+        self._plain = NoCompression()
+        self._per_tensor = base.per_tensor
+        with torch.no_grad():
+            self.global_ = [_flat(b).clone() for b in self.buckets]
+            # sim: every worker's parameters and inner optimizer state between syncs
+            self.replicas = [[g.clone() for g in self.global_] for _ in self.comms] if self.sim else []
+        self.inner_states: list[Any] = [defaultdict(dict) for _ in self.comms] if self.sim else []
+        self.step = 0
+        self._current: int | None = None
+        self._stepped: set[int] = set()
+        self._inflight: dict[int, list[list[Any]]] = {}  # fragment -> per worker, per bucket: exchange
+        self._results: dict[int, dict[str, Any]] = {}  # fragment -> averaged Δ per bucket and bytes (finished early)
+        self._snaps: dict[int, list[dict[str, Any]]] = {}  # fragment -> communicator stats when it was sent
+        self._compute_since: dict[int, float] = {}  # fragment -> compute seconds since it was sent
+        self._hook = inner_optimizer.register_step_post_hook(self._on_step) if hook else None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def worker_ids(self) -> list[int]:
+        return [c.rank for c in self.comms]
+
+    @contextlib.contextmanager
+    def worker(self, wid: int) -> Iterator[Communicator]:
+        """Sim: run worker ``wid``'s inner step inside (its parameters and inner optimizer state are
+        swapped in, and out again after). Real backends: ``wid`` is the rank; nothing to swap."""
+        i = self.worker_ids.index(wid)
+        if not self.sim:
+            yield self.comms[i]
+            return
+        self._current = i
+        _load(self.buckets, self.replicas[i])
+        self.inner.state = self.inner_states[i]
+        try:
+            yield self.comms[i]
+        finally:
+            self._current = None
+            _store(self.buckets, self.replicas[i])
+        if self._hook is not None and len(self._stepped) == len(self.comms):
+            self._stepped.clear()
+            self.after_inner_step()
+
+    def after_inner_step(self, compute_s: float = 0.0) -> SyncStats:
+        """Every worker took inner step ``self.step + 1``: send and apply the fragments due now.
+        ``compute_s``: that step's compute time (sim: hides in-flight link time)."""
+        self.step += 1
+        r = (self.step - 1) % self.sync.every + 1
+        st = SyncStats()
+        for f in self._compute_since:
+            self._compute_since[f] += compute_s
+        for f in self.sync.sends_at(self.step):
+            self._send(f, st)
+        for f in range(len(self.fragments)):
+            if f in self._inflight or f in self._results:
+                if (r - self.sync.send_step(f)) % self.sync.every == self.sync.delay:
+                    self._apply(f, st)
+        if self.sim:
+            _load(self.buckets, self.replicas[0])  # the model shows worker 0 (evaluation, checkpoints)
+        return st
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per rank: θ_global, the outer optimizer, every compressor and scheme state, exchanges in
+        flight (finished now, their averages kept), and the local parameters and inner optimizer
+        state (sim: every worker's). Tensors and numbers only (``weights_only=True`` loads it)."""
+        for f in list(self._inflight):
+            res, _, _, sent = self._finish(f)
+            self._results[f] = {"results": res, "bytes": sent}
+        sd: dict[str, Any] = {
+            "spec": self.spec, "sync": str(self.sync), "worker_ids": self.worker_ids, "step": self.step,
+            "global": [g.clone() for g in self.global_], "outer": self.outer.state_dict(),
+            "compressors": [c.state_dict() for c in self.compressors],
+            "schemes": [s.state_dict() for s in self.schemes],
+            "pending": {str(f): v for f, v in self._results.items()},
+            "compute_since": {str(f): v for f, v in self._compute_since.items()},
+        }
+        if self.sim:
+            sd["replicas"] = [[t.clone() for t in rep] for rep in self.replicas]
+            sd["inner"] = [self._inner_sd(i) for i in range(len(self.comms))]
+        else:
+            sd["replicas"] = [[_flat(b).clone() for b in self.buckets]]
+            sd["inner"] = [self.inner.state_dict()]
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("spec") != self.spec or sd.get("sync") != str(self.sync):
+            raise GradzipError(f"DiLoCo state is for {sd.get('spec')!r} with sync {sd.get('sync')!r}, not "
+                               f"{self.spec!r} with {self.sync}; resume with the same settings")
+        if list(sd.get("worker_ids", [])) != self.worker_ids:
+            raise GradzipError(f"DiLoCo state is for workers {sd.get('worker_ids')}, this process hosts "
+                               f"{self.worker_ids}; resume with the same backend and number of workers")
+        self.step = int(sd["step"])
+        with torch.no_grad():
+            for g, s in zip(self.global_, sd["global"]):
+                g.copy_(s)
+        self.outer.load_state_dict(sd["outer"])
+        for c, s in zip(self.compressors, sd["compressors"]):
+            c.load_state_dict(s)
+        for sc, s in zip(self.schemes, sd["schemes"]):
+            sc.load_state_dict(s)
+        self._inflight.clear()
+        self._results = {int(f): {"results": v["results"], "bytes": list(v["bytes"])} for f, v in sd["pending"].items()}
+        self._compute_since = {int(f): float(v) for f, v in sd["compute_since"].items()}
+        if self.sim:
+            for rep, s in zip(self.replicas, sd["replicas"]):
+                for t, v in zip(rep, s):
+                    t.copy_(v)
+            for i, s in enumerate(sd["inner"]):
+                self.inner.state = self.inner_states[i]
+                self.inner.load_state_dict(s)
+                self.inner_states[i] = self.inner.state
+            _load(self.buckets, self.replicas[0])
+        else:
+            _load(self.buckets, sd["replicas"][0])
+            self.inner.load_state_dict(sd["inner"][0])
+
+    def detach(self) -> None:
+        """Remove the inner optimizer's post-hook: the model trains as if DiLoCo had never been attached."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # ------------------------------------------------------------------ internals
+    def _on_step(self, *_: Any) -> None:
+        if not self.sim:
+            self.after_inner_step()
+        elif self._current is not None:
+            self._stepped.add(self._current)
+
+    def _inner_sd(self, i: int) -> dict[str, Any]:
+        self.inner.state = self.inner_states[i]
+        return self.inner.state_dict()
+
+    def _delta(self, i: int, bi: int) -> Tensor:
+        """Worker i's pseudo-gradient θ_global − θ_local of bucket bi (a new flat tensor, one pass)."""
+        if self.sim:
+            return torch.sub(self.global_[bi], self.replicas[i][bi])
+        b = self.buckets[bi]
+        out = torch.empty_like(self.global_[bi])
+        for p, g, d in zip(b.params, unflatten(self.global_[bi], b.shapes), unflatten(out, b.shapes)):
+            torch.sub(g, p.detach(), out=d)
+        return out
+
+    @torch.no_grad()
+    def _send(self, f: int, st: SyncStats) -> None:
+        """Compress and launch fragment f's pseudo-gradients on every worker."""
+        t0 = time.perf_counter()
+        self._snaps[f] = [c.stats.snapshot() for c in self.comms]
+        per_worker = []
+        for i, (comp, scheme) in enumerate(zip(self.compressors, self.schemes)):
+            comp.begin_step()
+            exs = []
+            for bi in self.fragments[f]:
+                b = self.buckets[bi]
+                delta = self._delta(i, bi)
+                c = comp if b.compressed else self._plain
+                tensors = unflatten(delta, b.shapes) if b.compressed and self._per_tensor else [delta]
+                ex = scheme.exchange(c, tensors, b.key)
+                ex.start()
+                exs.append(ex)
+            per_worker.append(exs)
+        self._inflight[f] = per_worker
+        self._compute_since[f] = 0.0
+        st.sent += 1
+        st.compress_s += (time.perf_counter() - t0) / len(self.comms)
+
+    def _finish(self, f: int) -> tuple[list[list[Tensor]], float, float, list[int]]:
+        """Drive fragment f's exchanges to the end: (averaged Δ per bucket, compress s, link s,
+        [bytes sent, received, sent inside the node] per worker, mean over the workers here)."""
+        per_worker = self._inflight.pop(f)
+        t0 = time.perf_counter()
+        enc = 0.0
+        pending = list(range(len(self.fragments[f])))
+        while pending:
+            still = []
+            for j in pending:
+                done = True
+                for exs in per_worker:
+                    c0 = exs[j].compress_s
+                    done = exs[j].advance() and done
+                    enc += exs[j].compress_s - c0
+                if not done:
+                    still.append(j)
+            pending = still
+        for comp in self.compressors:
+            comp.end_step(True)
+        wall = time.perf_counter() - t0
+        if self.sim:  # the slowest worker's modelled link time
+            link = max(sum(sum(ex.link_s) for ex in exs) for exs in per_worker)
+        else:
+            link = max(0.0, wall - enc)
+        deltas = [c.stats.since(snap) for c, snap in zip(self.comms, self._snaps.pop(f))]
+        keys = ("bytes_sent", "bytes_recv", "intra_bytes_sent")
+        sent = [round(sum(d[k] for d in deltas) / len(deltas)) for k in keys]
+        return [per_worker[0][j].result() for j in range(len(self.fragments[f]))], enc / len(self.comms), link, sent
+
+    @torch.no_grad()
+    def _apply(self, f: int, st: SyncStats) -> None:
+        """Outer step on fragment f with the averaged pseudo-gradient, then merge into every worker."""
+        if f in self._inflight:
+            results, enc, link, sent = self._finish(f)
+        else:
+            done = self._results.pop(f)
+            results, enc, link, sent = done["results"], 0.0, 0.0, done["bytes"]
+        st.bytes_sent += sent[0]
+        st.bytes_recv += sent[1]
+        st.intra_bytes_sent += sent[2]
+        hidden = self._compute_since.pop(f, 0.0) if self.sim else 0.0
+        st.applied += 1
+        st.compress_s += enc
+        st.link_s += link
+        st.exposed_s += max(0.0, link - hidden)
+        t0 = time.perf_counter()
+        ids = self.fragments[f]
+        saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        swapped = []  # the outer optimizer steps on θ_global in place: its views stand in for the parameters
+        for bi, res in zip(ids, results):
+            b = self.buckets[bi]
+            parts = unflatten(res[0], b.shapes) if len(res) == 1 and not (b.compressed and self._per_tensor) else res
+            for p, gv, d in zip(b.params, unflatten(self.global_[bi], b.shapes), parts):
+                swapped.append((p, p.data))
+                p.data = gv
+                p.grad = (d if d.dtype == p.dtype else d.to(p.dtype)).view(p.shape)
+        try:
+            self.outer.step()
+        finally:
+            for p, data in swapped:
+                p.data = data
+            for p, g in zip(self.params, saved):
+                p.grad = g
+        # θ_local ← α·θ_local + (1 − α)·θ_global
+        targets = [[rep[bi] for bi in ids] for rep in self.replicas] if self.sim else \
+            [[p for bi in ids for p in self.buckets[bi].params]]
+        sources = [self.global_[bi] for bi in ids] if self.sim else \
+            [gv for bi in ids for gv in unflatten(self.global_[bi], self.buckets[bi].shapes)]
+        for dst in targets:
+            for t, g in zip(dst, sources):
+                if self.alpha == 0:
+                    t.copy_(g)
+                else:
+                    t.lerp_(g, 1.0 - self.alpha)
+        st.compress_s += time.perf_counter() - t0
+
+
+class LocalSGD(DiLoCo):
+    """Parameter averaging every ``sync_every`` steps: DiLoCo whose outer step is SGD with lr 1 and
+    no momentum (the new θ_global is the mean of the workers' θ_local, through the compressor)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator | SimWorld,
+                 sync_every: int, compressor: str = "none", **kwargs: Any) -> None:
+        outer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        super().__init__(model, optimizer, outer, comm, sync_every, compressor, **kwargs)
+
+
+def outer_sgd(model: torch.nn.Module, sync: SyncSpec) -> torch.optim.Optimizer:
+    """The outer optimizer a ``--sync`` spec asks for: SGD (Nesterov when momentum > 0)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=sync.outer_lr, momentum=sync.momentum, nesterov=sync.nesterov,
+                           foreach=True)
+
+
+def _flat(b: Bucket) -> Tensor:
+    return flatten([p.detach() for p in b.params]).clone() if len(b.params) > 1 else b.params[0].detach().reshape(-1)
+
+
+@torch.no_grad()
+def _load(buckets: list[Bucket], flats: list[Tensor]) -> None:
+    for b, v in zip(buckets, flats):
+        for p, src in zip(b.params, unflatten(v, b.shapes)):
+            p.copy_(src)
+
+
+@torch.no_grad()
+def _store(buckets: list[Bucket], flats: list[Tensor]) -> None:
+    for b, v in zip(buckets, flats):
+        for p, dst in zip(b.params, unflatten(v, b.shapes)):
+            dst.copy_(p.reshape(dst.shape))
+
+
+def _intra(name: str) -> torch.dtype | None:
+    from gradzip.engine.engine import INTRA_DTYPES
+
+    return INTRA_DTYPES[name]
