@@ -50,7 +50,8 @@ def write_run(d: Path, compressor: str, bandwidth: str, workers: int, steps: int
     (d / "config.toml").write_text(
         f'model = "bert-tiny"\ncompressor = "{compressor}"\nbackend = "sim"\nworkers = {workers}\n'
         f'bandwidth = "{bandwidth}"\nbatch_size = {batch}\nseq_len = 32\nsteps = {steps}\nseed = {seed}\n')
-    summary = {"final_loss": rows[-1]["loss"], "final_eval_loss": rows[-1]["eval_loss"], "steps": steps,
+    summary = {"final_loss": rows[-1]["loss"], "final_eval_loss": rows[-1]["eval_loss"],
+               "final_eval_mlm_loss": rows[-1]["eval_loss"] - 0.7, "bytes_total": sent * steps, "steps": steps,
                "samples": samples, "tokens": samples * 30, "tokens_per_s": samples * 30 / wall,
                "bytes_per_step": sent, "compression_ratio": (FULL_BYTES * 2 * (workers - 1) / workers / sent)
                if sent else None, "wall_s": wall, "clock": clock, "compressor": compressor, "workers": workers}
@@ -82,7 +83,8 @@ def assert_image(path: Path, min_kb: float = 8.0) -> None:
 
 
 def test_sweep_directory_gives_every_figure_and_captions(tmp_path):
-    root = write_sweep(tmp_path / "sweep", target={"loss": 3.0, "metric": "eval_loss", "smoothing": 0.9})
+    root = write_sweep(tmp_path / "sweep", target={"loss": 3.0, "metric": "eval_loss", "smoothing": 0.9,
+                                                   "bandwidths": ["100mbit", "10gbit"]})
     rep = make_report(root)
     assert {d.name for d in rep.figures} == set(FIGURES), rep.skipped
     for d in rep.figures:
@@ -93,8 +95,11 @@ def test_sweep_directory_gives_every_figure_and_captions(tmp_path):
     assert "My own caption." in md  # the spec's caption wins ...
     # ... and every figure with a time axis says which clock it is on.
     for d in rep.figures:
-        if d.name in ("loss_time", "throughput_bandwidth", "step_time", "scaling"):
+        if d.name in ("loss_time", "throughput_bandwidth", "step_time", "scaling", "time_to_target"):
             assert "modelled" in d.caption, d.name
+    # one worker sends nothing: those runs have no place on loss_vs_bytes's log axis, and it says so
+    lvb = next(d for d in rep.figures if d.name == "loss_vs_bytes")
+    assert "Not shown (sent no bytes" in lvb.caption and "none · bandwidth=100mbit, workers=1" in lvb.caption
     thr = next(d for d in rep.figures if d.name == "throughput_bandwidth")
     assert "stops paying" in thr.caption or "pays at every bandwidth" in thr.caption
 

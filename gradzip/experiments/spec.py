@@ -25,6 +25,7 @@ Format (read with the standard library's :mod:`tomllib`)::
     [target]                                  # optional: time-to-target column and figures
     loss = 6.5
     metric = "loss"                           # "loss" (EMA-smoothed training loss) or "eval_loss"
+    bandwidths = ["100mbit", "1gbit"]         # optional: also the time to target modelled at these links
 
     [plot]                                    # optional
     figures = ["loss_steps", "loss_time"]     # default: every figure the data supports
@@ -70,13 +71,14 @@ from typing import Any
 
 from gradzip.errors import GradzipError, SpecError
 from gradzip.plots.results import FIGURE_CHOICES, describe_where, is_figure, matches_where
+from gradzip.plots.retime import bandwidth_columns
 from gradzip.training.config import TrainConfig
 
 MAX_NAME = 120
 TOP_KEYS = {"name", "description", "base", "grid", "target", "plot", "repeats"}
 REPEATS_KEYS = {"n", "where"}
 MAX_REPEATS = 100
-TARGET_KEYS = {"loss", "metric", "smoothing"}
+TARGET_KEYS = {"loss", "metric", "smoothing", "bandwidths"}
 PLOT_KEYS = {"figures", "captions", "title", "where"}
 RUNNER_KEYS = {"out", "resume"}  # set per cell by the runner
 NOT_IN_SPECS = RUNNER_KEYS | {"config"}  # `config` names a file for `gradzip train`; a spec is that file
@@ -109,11 +111,16 @@ class Target:
     ``metric="loss"`` uses the training loss smoothed by an exponential moving average
     (bias-corrected; ``smoothing`` is its decay, 0 = raw); ``"eval_loss"`` uses the evaluations only, so
     its resolution is ``eval_every`` steps.
+
+    ``bandwidths`` (as written: ``"100mbit"``, or a number of bits/s) add, per bandwidth, the time
+    to target modelled by re-timing each run at that link (:mod:`gradzip.plots.retime`): a results
+    column ``time_to_target_<B>_s`` and the ``time_to_target`` figure.
     """
 
     loss: float
     metric: str = "loss"
     smoothing: float = 0.9
+    bandwidths: list[str | float] = field(default_factory=list)
 
 
 @dataclass
@@ -332,7 +339,13 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
         _expect(smoothing, (int, float), "[target] 'smoothing'", src, "a number in [0, 1)")
         if not 0 <= smoothing < 1:
             raise SpecError(f"{src}: [target] smoothing must be in [0, 1), got {smoothing}")
-        target = Target(float(t["loss"]), metric, float(smoothing))
+        bandwidths = t.get("bandwidths", [])
+        _expect(bandwidths, list, "[target] 'bandwidths'", src, 'a list of bandwidths, e.g. ["100mbit", "1gbit"]')
+        try:
+            bandwidth_columns(bandwidths)
+        except SpecError as e:
+            raise SpecError(f"{src}: [target] bandwidths: {e}") from None
+        target = Target(float(t["loss"]), metric, float(smoothing), list(bandwidths))
 
     plot = PlotOptions()
     if "plot" in raw:

@@ -19,10 +19,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="loss for the time-to-target columns (default: the sweep spec's [target])")
     parser.add_argument("--target-metric", choices=("loss", "eval_loss"), default="loss",
                         help="with --target: EMA-smoothed training loss (default) or eval loss")
+    parser.add_argument("--target-bandwidths", metavar="LIST",
+                        help="comma-separated link bandwidths (e.g. 100mbit,1gbit) at which to model the time to the "
+                        "target (columns time_to_target_<B>_s, figure time_to_target; default: the spec's [target] "
+                        "bandwidths)")
 
 
 def run(args: argparse.Namespace) -> int:
     figures = [f.strip() for f in args.figures.split(",") if f.strip()] if args.figures else None
     target = Target(args.target, args.target_metric) if args.target is not None else None
-    print_report(make_report(args.dir, args.out, figures, target))
+    bandwidths = ([b.strip() for b in args.target_bandwidths.split(",") if b.strip()]
+                  if args.target_bandwidths else None)
+    print_report(make_report(args.dir, args.out, figures, target, bandwidths=bandwidths))
     return 0

@@ -39,7 +39,7 @@ CLOCK_TEXT = {
 }
 
 
-TIME_FIGURES = {"loss_time", "throughput_bandwidth", "step_time", "scaling"}
+TIME_FIGURES = {"loss_time", "throughput_bandwidth", "step_time", "scaling", "time_to_target"}
 
 
 class Skip(Exception):
@@ -508,6 +508,14 @@ def _scale(name: str) -> Callable[..., Any]:
     return draw
 
 
+def _lowcomm(name: str) -> Callable[..., Any]:
+    """A figure of :mod:`gradzip.plots.lowcomm`, imported when first drawn (it builds on this module)."""
+    def draw(*args: Any) -> Any:
+        from gradzip.plots import lowcomm
+        return getattr(lowcomm, name)(*args)
+    return draw
+
+
 def _metric(name: str) -> Callable[..., Any]:
     """The figure of one metrics.jsonl field (:mod:`gradzip.plots.metric_figures`)."""
     def draw(*args: Any) -> Any:
@@ -526,6 +534,8 @@ DRAW: dict[str, Callable[..., Any]] = {
     "scaling": fig_scaling,
     "bytes_workers": _scale("fig_bytes_workers"),
     "throughput_workers": _scale("fig_throughput_workers"),
+    "loss_vs_bytes": _lowcomm("fig_loss_vs_bytes"),
+    "time_to_target": _lowcomm("fig_time_to_target"),
 }
 
 

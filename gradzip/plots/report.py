@@ -9,6 +9,7 @@ Writes, under ``out`` (default: the directory itself):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from gradzip.errors import GradzipError
 from gradzip.io import atomic_write_text
 from gradzip.plots.figures import draw_all
 from gradzip.plots.results import FIGURE_CHOICES, Collection, Target, is_figure, load_runs
+from gradzip.plots.retime import bandwidth_columns
 from gradzip.plots.table import results_csv, results_markdown
 
 
@@ -29,10 +31,14 @@ class Report:
 
 
 def make_report(path: str | Path, out: str | Path | None = None, figures: list[str] | None = None,
-                target: Target | None = None, captions: dict[str, str] | None = None) -> Report:
+                target: Target | None = None, captions: dict[str, str] | None = None,
+                bandwidths: list[str] | None = None) -> Report:
     """Load the runs under ``path`` and write figures, captions and tables (see module doc).
 
-    ``figures``/``captions``/``target`` default to the sweep spec's ``[plot]``/``[target]``.
+    ``figures``/``captions``/``target`` default to the sweep spec's ``[plot]``/``[target]``;
+    ``bandwidths`` (e.g. ``["100mbit", "1gbit"]``) replace the target's ``bandwidths``, the links
+    at which the time to target is modelled (:mod:`gradzip.plots.retime`). GradzipError (one line)
+    for an unknown figure, a bad bandwidth, or bandwidths without a target.
     """
     col: Collection = load_runs(path)
     out_dir = Path(out) if out else col.root
@@ -42,7 +48,19 @@ def make_report(path: str | Path, out: str | Path | None = None, figures: list[s
     for f in figures or []:
         if not is_figure(f):
             raise GradzipError(f"unknown figure {f!r}; choose from {FIGURE_CHOICES}")
-    target = target or col.target
+    spec_target = col.target
+    target = target or spec_target
+    if not bandwidths and target is not None and not target.bandwidths and spec_target is not None:
+        bandwidths = spec_target.bandwidths  # --target LOSS keeps the spec's [target] bandwidths
+    if bandwidths:
+        if target is None:
+            raise GradzipError("--target-bandwidths needs a target loss: give --target LOSS (or a spec with [target])")
+        target = dataclasses.replace(target, bandwidths=list(bandwidths))
+    if target is not None:
+        try:
+            bandwidth_columns(target.bandwidths)
+        except GradzipError as e:
+            raise GradzipError(f"target bandwidths: {e}") from None
     captions = {**(plot_opts.get("captions") or {}), **(captions or {})}
 
     table = results_markdown(col, target)

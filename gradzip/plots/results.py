@@ -34,6 +34,8 @@ FIGURES: dict[str, str] = {
     "scaling": "scaling efficiency against number of workers",
     "bytes_workers": "bytes sent per rank per step against workers, per method (log-log)",
     "throughput_workers": "throughput (samples/s) against workers, per method",
+    "loss_vs_bytes": "final held-out MLM loss against total bytes sent per worker, per configuration (log x)",
+    "time_to_target": "modelled time to the target loss at the [target] bandwidths, per configuration",
 }
 
 # metrics.jsonl fields that a figure can put on its y axis, as ``<field>_steps`` (against optimizer
@@ -106,11 +108,15 @@ NOT_BYTES_KEYS = {"bandwidth", "latency", "seed", "lr", "warmup", "clip"}
 
 @dataclass
 class Target:
-    """See :class:`gradzip.experiments.spec.Target` (duplicated to keep plots free of experiments)."""
+    """See :class:`gradzip.experiments.spec.Target` (duplicated to keep plots free of experiments).
+
+    ``bandwidths`` (texts such as ``"100mbit"``, or bits/s) add the modelled time to the target at
+    each of them (:mod:`gradzip.plots.retime`)."""
 
     loss: float
     metric: str = "loss"
     smoothing: float = 0.9
+    bandwidths: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -260,21 +266,32 @@ class Run:
         dt = times[-1] - t0
         return (samples(rows[-1], len(rows) - 1) - s0) / dt if dt > 0 else None
 
+    @property
+    def bytes_total(self) -> float | None:
+        """Bytes one worker sent over the whole run (``summary.json``'s ``bytes_total``; None for
+        runs from before it was written)."""
+        v = (self.summary or {}).get("bytes_total")
+        return None if v is None else float(v)
+
+    def target_index(self, target: Target) -> int | None:
+        """Index in ``metrics`` of the row where the target metric first reaches ``target.loss``
+        (None: never): the first eval at or below it (``metric="eval_loss"``), or the first step
+        whose bias-corrected EMA of the training loss (decay ``smoothing``) is at or below it."""
+        if target.metric == "eval_loss":
+            return next((i for i, m in enumerate(self.metrics) if m.get("eval_loss") is not None
+                         and m.get("step") is not None and float(m["eval_loss"]) <= target.loss), None)
+        idx = [i for i, m in enumerate(self.metrics) if m.get("loss") is not None and m.get("step") is not None]
+        smoothed = ema([float(self.metrics[i]["loss"]) for i in idx], target.smoothing)
+        return next((i for i, s in zip(idx, smoothed) if s <= target.loss), None)
+
     def time_to_target(self, target: Target | None) -> tuple[int, float] | None:
         """(step, cumulative seconds) where the target metric first reaches ``target.loss``."""
         if target is None:
             return None
-        if target.metric == "eval_loss":
-            for step, t, loss in zip(*self.eval_points()):
-                if loss <= target.loss:
-                    return step, t
+        i = self.target_index(target)
+        if i is None:
             return None
-        losses = [float(m["loss"]) for m in self.train_rows]
-        for m, t, smoothed in zip(self.train_rows, self.times(), ema(losses, target.smoothing)):
-            if smoothed <= target.loss:
-                return int(m["step"]), t
-        return None
-
+        return int(self.metrics[i]["step"]), float(self.metrics[i].get("wall_s", 0.0))
 
 def ema(values: list[float], decay: float = 0.9) -> list[float]:
     """Exponential moving average with bias correction (so the first points are not pulled to 0)."""

@@ -6,6 +6,9 @@ The results table shows a group's mean with its spread, written as
 - ``7.123 (7.120–7.127)``, the mean and the min–max range, for 2 or 3 seeds;
 - ``7.123 ± 0.004``, the mean and the sample standard deviation, for 4 seeds or more.
 
+The point figures of :mod:`gradzip.plots.lowcomm` draw the same spread as error bars
+(:meth:`Stat.error`); curves elsewhere show the min–max band.
+
 A difference between two groups (Δ vs none) *exceeds the seed spread* when its absolute value is
 larger than the wider of the two groups' min–max ranges. The rule is deliberately simple and
 conservative: with 3 seeds it asks the difference to be larger than everything the seed alone did
@@ -60,6 +63,15 @@ class Stat:
         if self.n <= 3:
             return f"{fmt(self.mean)} ({fmt(self.lo)}–{fmt(self.hi)})"
         return f"{fmt(self.mean)} ± {fmt(self.std)}"
+
+    def error(self) -> tuple[float, float] | None:
+        """Error-bar lengths (below, above) the mean, by the rule of :meth:`text`: the min–max range
+        for 2–3 values, ± the standard deviation for 4 or more; None for one value or all alike."""
+        if self.n < 2 or self.lo == self.hi:
+            return None
+        if self.n <= 3:
+            return self.mean - self.lo, self.hi - self.mean
+        return self.std, self.std
 
 
 def stat(values: list[Any]) -> Stat:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradzip.plots.results import Collection, Run, Target, _hashable
+from gradzip.plots.retime import bandwidth_columns, time_to_target_at
 from gradzip.plots.seeds import Stat, exceeds_spread, spread_of, stat
+from gradzip.units import format_bandwidth
 
 # -- the results table ---------------------------------------------------------------------------
 
@@ -58,6 +60,8 @@ def _run_numbers(r: Run, target: Target | None, accs: list[str]) -> dict[str, An
     if target:
         hit = r.time_to_target(target)
         d.update(steps_to_target=hit[0] if hit else None, time_to_target_s=hit[1] if hit else None)
+        for name, bps in bandwidth_columns(target.bandwidths):
+            d[name] = time_to_target_at(r, target, bps) if hit else None
     d.update(mb_per_step=r.mb_per_step, compression_ratio=r.compression_ratio, samples_per_s=r.samples_per_s)
     return d
 
@@ -77,7 +81,7 @@ def results_rows(col: Collection, target: Target | None = None) -> tuple[list[st
         accs.insert(0, "final_eval_mlm_loss")
     numbers = ["final_eval_loss", "delta_vs_none", *accs]
     if target:
-        numbers += ["steps_to_target", "time_to_target_s"]
+        numbers += ["steps_to_target", "time_to_target_s", *(name for name, _ in bandwidth_columns(target.bandwidths))]
     numbers += ["clock", "mb_per_step", "compression_ratio", "samples_per_s"]
     if not seeded:
         rows = []
@@ -119,6 +123,13 @@ _TITLES = {
 }
 
 
+def _title(h: str) -> str:
+    """A column's heading: ``time_to_target_100mbit_s`` -> ``time to target @ 100mbit (s)``."""
+    if h.startswith("time_to_target_") and h.endswith("_s") and h != "time_to_target_s":
+        return f"time to target @ {h.removeprefix('time_to_target_').removesuffix('_s')} (s)"
+    return _TITLES.get(h, h)
+
+
 def _cell(h: str, v: Any, compressor: str) -> str:
     if h == "delta_vs_none" and compressor.split(":")[0].strip() == "none":
         return "baseline"
@@ -154,7 +165,7 @@ def results_markdown(col: Collection, target: Target | None = None) -> str:
         vals = [row[i] for row in rows if row[i] is not None]
         return bool(vals) and all(isinstance(v, (int, float, Stat, Delta)) and not isinstance(v, bool) for v in vals)
 
-    lines = ["| " + " | ".join(_TITLES.get(header[i], header[i]) for i in idx) + " |",
+    lines = ["| " + " | ".join(_title(header[i]) for i in idx) + " |",
              "|" + "|".join("---:" if numeric(i) or header[i] == "delta_vs_none" else "---" for i in idx) + "|"]
     ci = header.index("compressor")
     for row in rows:
@@ -172,6 +183,11 @@ def results_markdown(col: Collection, target: Target | None = None) -> str:
     if target:
         what = "eval loss" if target.metric == "eval_loss" else f"training loss (EMA {target.smoothing:g})"
         notes.append(f"Target: {what} ≤ {target.loss:g}; time is cumulative on each run's clock (— = not reached).")
+        if target.bandwidths:
+            at = ", ".join(format_bandwidth(bps) for _, bps in bandwidth_columns(target.bandwidths))
+            notes.append(f"time to target @ B ({at}): modelled, the run re-timed step by step as if its link had "
+                         "bandwidth B (each step's exposed communication changes by the link time of its bytes at B "
+                         "instead of the run's bandwidth, never below 0; see gradzip.plots.retime).")
     return "\n".join(lines + notes) + "\n"
 
 
