@@ -219,8 +219,13 @@ def test_api_refuses_what_it_cannot_honour():
     ddp_like = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
     with pytest.raises(GradzipError, match="replaces DDP's per-step allreduce"):
         gradzip.DiLoCo(ddp_like, inner, torch.optim.SGD(m.parameters(), lr=1.0), SimWorld(2), 4)
+    one = nn.Linear(8, 8, bias=False)  # one parameter: no way to make two fragments of whole tensors
     with pytest.raises(GradzipError, match="only 1 bucket;"):
-        gradzip.DiLoCo(m, inner, torch.optim.SGD(m.parameters(), lr=1.0), SimWorld(2), 4, fragments=2)
+        gradzip.DiLoCo(one, torch.optim.SGD(one.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=1.0),
+                       SimWorld(2), 4, fragments=2)
+    # with the default 25 MiB cap the 4 layers fit in one bucket, yet 4 fragments are made
+    d = gradzip.DiLoCo(m, inner, torch.optim.SGD(m.parameters(), lr=1.0), SimWorld(2), 4, fragments=4)
+    assert [len(f) for f in d.fragments] == [1, 1, 1, 1]
 
 
 # ---------------------------------------------------------------------- gradzip train

@@ -121,6 +121,14 @@ def coalesce(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch
     return [run for runs in groups.values() for run in runs if run]
 
 
+def fragment_cap(total_bytes: int, cap_bytes: int, parts: int) -> int:
+    """The bucket cap when the model syncs in ``parts`` fragments (Streaming DiLoCo): at most
+    1/(2·parts) of the model's bytes, so that :func:`split_fragments` finds enough whole buckets to
+    make ``parts`` groups of about equal size whatever ``--bucket-cap-mb`` says (BERT-tiny fits in
+    two 25 MiB buckets). One fragment: ``cap_bytes`` unchanged."""
+    return cap_bytes if parts <= 1 else max(1, min(cap_bytes, -(-total_bytes // (2 * parts))))
+
+
 def split_fragments(numels: list[int], parts: int) -> list[list[int]]:
     """Bucket indices (launch order) in ``parts`` contiguous groups of about equal elements: a bucket
     opens the next group when the running total at its middle passes the group's share, or when

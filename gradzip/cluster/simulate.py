@@ -84,7 +84,7 @@ from pathlib import Path
 
 import torch
 
-from gradzip.cluster.buckets import MiB, assign_buckets, split_fragments
+from gradzip.cluster.buckets import MiB, assign_buckets, fragment_cap, split_fragments
 from gradzip.cluster.exchanges import (  # noqa: F401 - re-exported: the per-bucket models
     flat_bucket,
     hierarchical_bucket,
@@ -289,7 +289,13 @@ def _predict_outer(comp: Compressor, sync: SyncSpec, work: Workload, cl: Cluster
                    tokens: float | None, epochs: float, memory_bps: float | None) -> Prediction:
     """8. of the module docstring: H inner steps, then one sync of each of P fragments."""
     h, n = sync.every, cl.workers
-    buckets, params = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
+    cap_mb = work.bucket_cap_mb
+    if sync.fragments > 1:  # the engine's rule: buckets of at most 1/(2P) of the model
+        _, params = model_buckets(work.model, work.vocab_size, cap_mb, work.min_compress_numel,
+                                  separate_small_for(comp), work.grad_dtype)
+        total = params * torch.empty((), dtype=DTYPES[work.grad_dtype]).element_size()
+        cap_mb = fragment_cap(total, int(cap_mb * MiB), sync.fragments) / MiB
+    buckets, params = model_buckets(work.model, work.vocab_size, cap_mb, work.min_compress_numel,
                                     separate_small_for(comp), work.grad_dtype)
     frags = fragment_buckets(buckets, sync.fragments)
     compute = work.tokens_per_step / work.tokens_per_second

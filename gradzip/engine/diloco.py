@@ -12,9 +12,10 @@ the paper). Per sync, on each worker:
 3. the outer optimizer steps on θ_global with the averaged Δ as its gradient;
 4. θ_local ← α·θ_local + (1 − α)·θ_global (α = ``fragment_update_alpha``, 0 by default).
 
-Streaming DiLoCo (arXiv 2501.18512): ``fragments=P`` splits the buckets into P contiguous groups of
-about equal size; fragment f is sent at inner step H − τ − (P−1−f)·H/P of each period and applied
-τ = ``fragment_sync_delay`` steps later, its collectives travelling during those inner steps (async
+Streaming DiLoCo (arXiv 2501.18512): ``fragments=P`` splits the buckets (capped at 1/(2P) of the
+model, :func:`gradzip.cluster.buckets.fragment_cap`) into P contiguous groups of about equal size;
+fragment f is sent at inner step H − τ − (P−1−f)·H/P of each period and applied τ =
+``fragment_sync_delay`` steps later, its collectives travelling during those inner steps (async
 handles on gloo/mpi; on ``sim`` the link time is hidden behind the compute of those steps). Peak
 bytes of one sync fall by P. LocalSGD is DiLoCo with an outer SGD of lr 1 and no momentum: the new
 θ_global is the average of the workers' parameters.
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.cluster.buckets import Bucket, MiB, assign_buckets, split_fragments
+from gradzip.cluster.buckets import Bucket, MiB, assign_buckets, fragment_cap, split_fragments
 from gradzip.cluster.sync import SyncSpec, parse_sync
 from gradzip.comm.base import Communicator
 from gradzip.comm.sim import SimWorld
@@ -109,7 +110,8 @@ class DiLoCo:
         if not all(id(p) in outer_ids for p in self.params):
             raise GradzipError("DiLoCo: the outer optimizer must be built over the model's parameters "
                                "(e.g. torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True))")
-        cap = max(1, int(bucket_cap_mb * MiB))
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        cap = fragment_cap(total, max(1, int(bucket_cap_mb * MiB)), self.sync.fragments)
         self.buckets: list[Bucket] = assign_buckets(named, cap, min_compress_numel, separate_small=not base.identity)
         self.fragments = split_fragments([b.numel for b in self.buckets], self.sync.fragments)
         options = {"bucket_cap_mb": bucket_cap_mb, "min_compress_numel": min_compress_numel,
