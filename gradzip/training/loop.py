@@ -5,7 +5,10 @@ Each optimizer step, every worker computes its micro-batches (``sim``: all N wor
 this process; real backends: this rank), the engine exchanges the compressed gradients, and the
 optimizer steps on the averaged gradient. When some worker's gradient has an inf or NaN, every
 worker skips the step instead (optimizer and compressor state untouched, ``skipped`` in the
-metrics); ``cfg.max_skips`` skips in a row stop the run. Outputs in ``cfg.out`` (rank 0 writes):
+metrics); ``cfg.max_skips`` skips in a row stop the run. With ``--sync diloco|localsgd``
+(:mod:`gradzip.engine.diloco`) each worker instead steps its own inner optimizer on its local
+gradient (skipping alone when it is not finite), and every H steps the pseudo-gradients are
+exchanged through the compressor and an outer step merges them. Outputs in ``cfg.out`` (rank 0 writes):
 
 - ``config.toml``: the resolved configuration (``--config`` accepts it);
 - ``metrics.jsonl``: one record per step (fields: :mod:`gradzip.training.metrics`);
