@@ -465,3 +465,12 @@ def test_the_start_up_agreement_covers_every_setting_but_rank_local_ones():
     docs[2]["agree"].update(seed=7, optimizer="lamb")
     assert disagreements(docs) == [f"optimizer differs on rank(s) [2] (rank 0: {agree['optimizer']!r}; rank 2: 'lamb')",
                                    f"seed differs on rank(s) [2] (rank 0: {agree['seed']!r}; rank 2: 7)"]
+
+
+def test_exchange_applies_to_the_spec_the_optimizer_sends():
+    """--exchange with a 1-bit optimizer (and no --compressor) changes the scheme of the momentum's
+    onebit spec; with DeMo, a scheme its compressor lacks is a one-line error naming demo."""
+    assert TrainConfig(optimizer="onebit-adam").spec == "onebit:exchange=twophase"
+    assert TrainConfig(optimizer="onebit-lamb", exchange="allgather").spec == "onebit:exchange=allgather"
+    with pytest.raises(GradzipError, match="demo supports exchange=allgather"):
+        TrainConfig.from_dict({"optimizer": "demo", "exchange": "twophase"})

@@ -240,19 +240,20 @@ class TrainConfig:
     def spec(self) -> str:
         """The compressor spec with ``exchange`` applied: what the engine is given. The 1-bit
         optimizers send the momentum with ``onebit:exchange=twophase`` unless told otherwise."""
-        if self.optimizer.startswith("onebit-") and self.compressor == "none" and self.exchange is None:
-            return ONEBIT_SPEC
-        if self.optimizer == "demo" and self.compressor == "none" and self.exchange is None:
-            return DEMO_SPEC
+        comp = self.compressor
+        if comp == "none" and self.optimizer.startswith("onebit-"):  # --exchange, if given, replaces twophase
+            comp = ONEBIT_SPEC if self.exchange is None else "onebit"
+        elif comp == "none" and self.optimizer == "demo":
+            comp = DEMO_SPEC
         if self.exchange is None:
-            return self.compressor
-        _, params = parse_spec(self.compressor)
+            return comp
+        _, params = parse_spec(comp)
         if params.get("exchange", self.exchange).lower() != self.exchange.lower():
-            raise GradzipError(f"--exchange {self.exchange} and --compressor {self.compressor} disagree; "
+            raise GradzipError(f"--exchange {self.exchange} and --compressor {comp} disagree; "
                                "set the scheme in one place")
         if "exchange" in params:
-            return self.compressor
-        return f"{self.compressor}{',' if ':' in self.compressor else ':'}exchange={self.exchange}"
+            return comp
+        return f"{comp}{',' if ':' in comp else ':'}exchange={self.exchange}"
 
     def _check_names(self, source: str) -> None:
         """The model and compressor names are known ."""
