@@ -104,6 +104,7 @@ CASES = [
     ("netem-bad-subnet", ["netem", "up", "--prefix", "badin", "--subnet", "192.168.0.0/24"], {}, {},
      "outside the benchmarking range"),
     ("max-skips-negative", TRAIN + ["--max-skips", "-1"], {}, {}, "--max-skips must be >= 0"),
+    ("mask-prob-one", TRAIN + ["--mask-prob", "1"], {}, {}, "--mask-prob must be in (0, 1)"),
     ("freeze-step-zero", TRAIN + ["--optimizer", "onebit-adam", "--freeze-step", "0"], {}, {},
      "--freeze-step must be a whole number of steps >= 1 or a fraction in (0, 1)"),
     ("freeze-step-not-whole", TRAIN + ["--optimizer", "onebit-lamb", "--freeze-step", "2.5"], {}, {},

@@ -302,6 +302,26 @@ def test_batch_masks_only_real_tokens(small):
     assert 0.1 < sel.sum() / (~special).sum() < 0.2
 
 
+@pytest.mark.parametrize("prob", [0.15, 0.4, 0.6])
+def test_mask_prob_sets_the_share_of_training_tokens_selected(small, prob):
+    """--mask-prob: the share selected in training batches (rounded per row); 80/10/10 unchanged;
+    the held-out batches keep BERT's 0.15 whatever the training share."""
+    data, _ = small
+    b = data.batch("train", step=2, worker=0, num_workers=1, batch_size=32, seed=1, mask_prob=prob)
+    idx = data.indices("train", 2, 0, 1, 32, 1)
+    raw = torch.from_numpy(data.train.ids[idx].astype(np.int64))
+    real = ~torch.isin(raw, torch.tensor([0, 1, 2, 3, 4]))
+    sel = b["labels"] != -100
+    assert abs(float(sel.sum() / real.sum()) - prob) < 0.02
+    masked = (b["input_ids"] == 4) & sel  # [MASK] at about 80% of the selected positions
+    assert 0.7 < float(masked.sum() / sel.sum()) < 0.9
+    ev = next(data.eval_batches(batch_size=32))
+    ev_real = (ev["attention_mask"] == 1) & ~torch.isin(ev["input_ids"], torch.tensor([0, 2, 3]))
+    assert 0.1 < float((ev["labels"] != -100).sum() / ev_real.sum()) < 0.2
+    with pytest.raises(GradzipError, match="mask_prob must be in"):
+        data.batch("train", step=0, worker=0, num_workers=1, batch_size=4, mask_prob=1.0)
+
+
 def test_batches_are_pure_and_sharded_disjointly(small):
     data, root = small
     args = dict(num_workers=3, batch_size=8, seed=11)

@@ -59,6 +59,7 @@ from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
 from gradzip.engine.handshake import broadcast_state, check_agreement, fingerprint
 from gradzip.engine.hierarchical import HierarchicalScheme
+from gradzip.engine.outer_step import fusable, fused_sgd_step
 from gradzip.engine.schemes import SchemeState
 from gradzip.errors import GradzipError, SpecError
 
@@ -337,13 +338,30 @@ class DiLoCo:
         st.exposed_s += max(0.0, link - hidden)
         t0 = time.perf_counter()
         ids = self.fragments[f]
+        parts_of = [unflatten(res[0], self.buckets[bi].shapes)
+                    if len(res) == 1 and not (self.buckets[bi].compressed and self._per_tensor) else res
+                    for bi, res in zip(ids, results)]
+        if fusable(self.outer) and all(p.is_contiguous() for p in self.params):  # the same floats as outer.step() + the merge, in one trip to memory
+            items = []
+            for bi, parts in zip(ids, parts_of):
+                b = self.buckets[bi]
+                reps = [unflatten(rep[bi], b.shapes) for rep in self.replicas] if self.sim else []
+                for j, (p, gv, d) in enumerate(zip(b.params, unflatten(self.global_[bi], b.shapes), parts)):
+                    d = (d if d.dtype == p.dtype else d.to(p.dtype)).view(p.shape)
+                    items.append((p, gv, d, [r[j] for r in reps] if self.sim else [p.detach()]))
+            fused_sgd_step(self.outer, items, self.alpha)
+        else:
+            self._outer_step(ids, parts_of)
+        st.compress_s += time.perf_counter() - t0
+
+    def _outer_step(self, ids: list[int], parts_of: list[Any]) -> None:
+        """``outer.step()`` on θ_global (its views stand in for the parameters), then the merge."""
         saved = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        swapped = []  # the outer optimizer steps on θ_global in place: its views stand in for the parameters
-        for bi, res in zip(ids, results):
+        swapped = []
+        for bi, parts in zip(ids, parts_of):
             b = self.buckets[bi]
-            parts = unflatten(res[0], b.shapes) if len(res) == 1 and not (b.compressed and self._per_tensor) else res
             for p, gv, d in zip(b.params, unflatten(self.global_[bi], b.shapes), parts):
                 swapped.append((p, p.data))
                 p.data = gv
@@ -366,7 +384,6 @@ class DiLoCo:
                     t.copy_(g)
                 else:
                     t.lerp_(g, 1.0 - self.alpha)
-        st.compress_s += time.perf_counter() - t0
 
 
 class LocalSGD(DiLoCo):

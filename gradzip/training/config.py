@@ -99,6 +99,7 @@ class TrainConfig:
     corpus: str | None = None
     vocab_size: int | None = None
     tokenizer: str | None = None  # a vocab.txt or tokenizer.json to use instead of training one
+    mask_prob: float = 0.15  # share of tokens masked in training batches (held-out batches: always 0.15)
     # -- evaluation, checkpoints, outputs
     eval_every: int = 50
     eval_batches: int = 16
@@ -166,6 +167,8 @@ class TrainConfig:
                 raise bad(key, f"must be >= 0 (0 turns it off), got {v}")
         if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
             raise bad("dropout", f"must be in [0, 1), got {self.dropout}")
+        if not (math.isfinite(self.mask_prob) and 0 < self.mask_prob < 1):
+            raise bad("mask_prob", f"must be in (0, 1), e.g. 0.15 (BERT) or 0.4, got {self.mask_prob}")
         if not (math.isfinite(self.warmup) and self.warmup >= 0):
             raise bad("warmup", f"must be >= 0 (steps, or a fraction of --steps below 1), got {self.warmup}")
         if self.warmup >= 1 and self.warmup != int(self.warmup):

@@ -58,7 +58,8 @@ def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runt
     tokens = samples = 0
     for micro in range(cfg.accumulation):
         batch = data.batch("train", step=step * cfg.accumulation + micro, worker=w,
-                           num_workers=runtime.num_workers, batch_size=cfg.batch_size, seed=cfg.seed)
+                           num_workers=runtime.num_workers, batch_size=cfg.batch_size, seed=cfg.seed,
+                           mask_prob=cfg.mask_prob)
         tokens += int(batch["attention_mask"].sum())
         samples += int(batch["input_ids"].shape[0])
         sync = engine is None or micro == cfg.accumulation - 1  # exchange only after the last micro-batch
