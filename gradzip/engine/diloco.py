@@ -341,7 +341,8 @@ class DiLoCo:
         parts_of = [unflatten(res[0], self.buckets[bi].shapes)
                     if len(res) == 1 and not (self.buckets[bi].compressed and self._per_tensor) else res
                     for bi, res in zip(ids, results)]
-        if fusable(self.outer) and all(p.is_contiguous() for p in self.params):  # the same floats as outer.step() + the merge, in one trip to memory
+        # The same floats as outer.step() + the merge, in one trip to memory (outer_step.py).
+        if fusable(self.outer) and all(p.is_contiguous() for p in self.params):
             items = []
             for bi, parts in zip(ids, parts_of):
                 b = self.buckets[bi]
