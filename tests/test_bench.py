@@ -43,6 +43,9 @@ def test_bench_compress_only_and_ef(capsys):
     rows = run_json(capsys, "--numel", "1000", "--only", "powersgd", "none", "--ef")
     assert [r["name"] for r in rows] == ["powersgd", "none"]
     assert all("ef=true" in r["spec"] for r in rows)
+    rows = run_json(capsys, "--numel", "1000", "--only", "powersgd:rank=2,residual=reduced", "topk:ratio=0.1", "--ef")
+    assert [create(r["spec"]).spec for r in rows] == [create("powersgd:rank=2,residual=reduced,ef=true").spec,
+                                                      create("topk:ratio=0.1,ef=true").spec]
 
 
 @pytest.mark.parametrize("argv, message", [(["--only", "nosuch"], "unknown compressor(s) nosuch"),

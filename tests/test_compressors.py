@@ -36,7 +36,10 @@ def _specs() -> list[str]:
             spec = create(s).spec
             if spec not in out:
                 out.append(spec)
-    return out
+    return out + [create(s).spec for s in VARIANTS]
+
+
+VARIANTS = ["powersgd:residual=reduced"]  # options that change what error feedback does
 
 
 SPECS = _specs()
@@ -379,6 +382,17 @@ def test_bitpack_round_trip_and_bit_order(n):
                            torch.where(bits, -0.25, 0.25).to(dtype))
 
 
+@pytest.mark.parametrize("n", [bitpack._PACK_CHUNK, bitpack._PACK_CHUNK + 3, 3 * bitpack._PACK_CHUNK + 13])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pack_signs_in_chunks_gives_the_bytes_of_one_packbits(n, dtype):
+    x = torch.randn(n, generator=gen(n)).to(dtype)
+    x[::7] = -0.0
+    x[1::11] = 0.0
+    ref = np.packbits(x.view(bitpack.INT_VIEW[dtype]).numpy() < 0, bitorder="little")
+    assert np.array_equal(bitpack.pack_signs(x).numpy(), ref)
+    assert np.array_equal(bitpack._pack_torch(x.view(bitpack.INT_VIEW[dtype]) < 0).numpy(), ref)
+
+
 def test_bitpack_explicit_bits_and_errors():
     assert bitpack.pack(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1], dtype=torch.bool)).tolist() == [129, 1]
     assert bitpack.pack_signs(torch.tensor([-0.0, 0.0, -1.0])).tolist() == [0b101]
@@ -424,17 +438,22 @@ def test_fused_error_feedback_equals_decode_and_subtract(spec, monkeypatch):
     inner = type(plain.inner)
     monkeypatch.setattr(plain, "inner", plain.inner)  # instance attribute: patch this object only
     monkeypatch.setattr(plain.inner, "subtract_sent_batch", lambda *a: False)
-    used = []
-    orig = inner.subtract_sent_batch
+    monkeypatch.setattr(plain.inner, "sent_proves_finite_batch", lambda *a: False)  # always sanitises
+    used, proofs = [], []
+    orig, proof = inner.subtract_sent_batch, inner.sent_proves_finite_batch
     monkeypatch.setattr(fused.inner, "subtract_sent_batch", lambda *a: used.append(orig(fused.inner, *a)) or used[-1])
+    monkeypatch.setattr(fused.inner, "sent_proves_finite_batch",
+                        lambda *a: proofs.append(proof(fused.inner, *a)) or proofs[-1])
     for step in range(3):
         solo(fused, grads(step))
         solo(plain, grads(step))
         for a, b in zip(fused.state_dict()["memory"]["b"], plain.state_dict()["memory"]["b"]):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), spec  # bits, -0.0 included
             assert torch.isfinite(a).all()
-    if create(spec).inner.name in ("topk", "onebit"):
+    if create(spec).inner.name in ("topk", "onebit", "signsgd"):
         assert used and all(used), f"{spec}: the fused path was not taken"
+        # finite steps skip the sanitising pass; the step with inf and NaN (step 1) does not
+        assert proofs == [True, False, True], f"{spec}: {proofs}"
 
 
 ALLGATHER = [s for s in SINGLE_ROUND if create(s).collective == "allgather"]

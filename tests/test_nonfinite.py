@@ -28,7 +28,7 @@ def _specs() -> list[str]:
         out += [f"{name}:ef=true,exchange={s}" for s in cls.schemes if s != cls.collective]
         if cls.biased:
             out.append(f"{name}:ef=ef21")
-    return out
+    return out + ["powersgd:residual=reduced"]  # error feedback against the reduced result
 
 
 def _step(engine, model, batches, poison: dict[int, float] | None = None):

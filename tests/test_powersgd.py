@@ -147,6 +147,41 @@ def test_sim_average_matches_reference_step(ef):
         assert all(torch.equal(c.memory["k"][2], torch.zeros(24)) for c in comps)  # ...and leaves no residual
 
 
+def test_residual_against_the_reduced_result():
+    """residual=reduced: each worker keeps M_w − (what reached the gradients), P Q_reducedᵀ, as
+    Vogels et al.'s code and torch's powerSGD_hook do; exact tensors leave no residual; the mean
+    residual over workers equals residual=local's; one rank gives local's floats bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(32, 24), (24,), (16, 40)]
+    local = [create("powersgd:rank=2") for _ in range(3)]
+    reduced = [create("powersgd:rank=2,residual=reduced") for _ in range(3)]
+    assert reduced[0].residual_from_output and not local[0].residual_from_output
+    for _ in range(3):
+        grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+        before = [[g + m for g, m in zip(grads[w], c.residuals("k") or [torch.zeros(s) for s in shapes])]
+                  for w, c in enumerate(reduced)]
+        sim_step(local, [[g.clone() for g in gs] for gs in grads])
+        out_r = sim_step(reduced, [[g.clone() for g in gs] for gs in grads])
+        for w, c in enumerate(reduced):
+            mem = c.residuals("k")
+            for i in (0, 2):
+                torch.testing.assert_close(mem[i], before[w][i] - out_r[w][i], atol=1e-6, rtol=1e-5)
+            assert torch.equal(mem[1], torch.zeros(24))
+        for i in (0, 2):
+            mean_l = torch.stack([c.residuals("k")[i] for c in local]).mean(0)
+            mean_r = torch.stack([c.residuals("k")[i] for c in reduced]).mean(0)
+            torch.testing.assert_close(mean_l, mean_r, atol=1e-5, rtol=1e-4)
+    assert not all(torch.equal(a.residuals("k")[0], b.residuals("k")[0]) for a, b in zip(local, reduced))
+    one_l, one_r = create("powersgd:rank=2"), create("powersgd:rank=2,residual=reduced")
+    for _ in range(3):
+        g = [torch.randn(s, generator=gen) for s in shapes]
+        a, b = step(one_l, [t.clone() for t in g]), step(one_r, [t.clone() for t in g])
+        assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+        assert all(torch.equal(x, y) for x, y in zip(one_l.residuals("k"), one_r.residuals("k")))
+    with pytest.raises(SpecError, match="residual must be 'local' or 'reduced'"):
+        create("powersgd:residual=global")
+
+
 def test_recovers_after_zero_and_non_finite_gradients():
     gen = torch.Generator().manual_seed(7)
     m, s = low_rank_spectrum(40, 30, gen)

@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "see --stat (default: 5)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="statistic of the timed runs (min is robust on a loaded machine; default: median)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="benchmark only these compressors")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="benchmark only these compressors; a full "
+                        "spec (e.g. powersgd:rank=4,residual=reduced) sets their parameters")
     parser.add_argument("--ef", action="store_true", help="wrap every compressor in error feedback "
                         "(default: the bare compressors)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -96,12 +97,16 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, AssertionError) as e:
         raise GradzipError(f"--device {args.device!r} is not usable here: {str(e).splitlines()[0]}") from None
     names = list(registry())
-    unknown = sorted(set(args.only or []) - set(names))
+    unknown = sorted({o.split(":")[0] for o in args.only or []} - set(names))
     if unknown:
         raise GradzipError(f"unknown compressor(s) {', '.join(unknown)} for --only; choose from: {', '.join(names)}")
     rows, failed = [], False
-    for name in args.only or names:
-        spec = f"{name}:{','.join([*([PARAMS[name]] if name in PARAMS else []), f'ef={str(args.ef).lower()}'])}"
+    for item in args.only or names:
+        name, _, given = item.partition(":")
+        params = given.split(",") if given else [PARAMS[name]] if name in PARAMS else []
+        if not any(p.startswith("ef=") for p in params):
+            params.append(f"ef={str(args.ef).lower()}")
+        spec = f"{name}:{','.join(params)}"
         try:
             rows.append(bench_one(create(spec), args.numel, args.repeat, device, args.stat, args.aggregate))
         except Exception as e:  # one broken compressor should not hide the others' numbers

@@ -188,6 +188,30 @@ class Compressor(ABC):
         """:meth:`subtract_sent` for a bucket compressed by the default :meth:`compress_batch`."""
         return isinstance(ctx, _BatchCtx) and self.subtract_sent(payload, ctx.inner, flat)
 
+    #: Error feedback keeps the residual against the *reduced* result this rank decodes (its
+    #: :meth:`decompress_batch` output) rather than against its own payload: for multi-round
+    #: allreduce compressors whose decode already computes the approximation (PowerSGD's
+    #: ``residual=reduced``), which saves decoding the local payload. See :meth:`subtract_output`.
+    residual_from_output: bool = False
+
+    def subtract_output(self, out: list[Tensor], ctx: Any, memory: list[Tensor]) -> None:
+        """With :attr:`residual_from_output`: ``memory`` (the compensated tensors, fp32) minus
+        ``out`` (this rank's decode of the reduced payload), in place; the default subtracts every
+        tensor. Override it where some tensors travel exactly (their residual is zero)."""
+        for m, o in zip(memory, out):
+            m.sub_(o)
+
+    def sent_proves_finite(self, payload: Payload, ctx: Any) -> bool:
+        """True when ``payload`` shows, at no cost and without a device sync, that every entry of
+        the tensor it was compressed from is finite (top-k: the largest magnitudes are finite, and
+        the selection ranks inf and NaN first). Error feedback then skips its pass that zeroes
+        non-finite residual entries. False (the default): not known, the pass runs."""
+        return False
+
+    def sent_proves_finite_batch(self, payload: Payload, ctx: Any) -> bool:
+        """:meth:`sent_proves_finite` for a bucket compressed by the default :meth:`compress_batch`."""
+        return isinstance(ctx, _BatchCtx) and self.sent_proves_finite(payload, ctx.inner)
+
     def decode_aggregate(self, payloads: list[Payload], ctx: Any) -> Tensor | None:
         """``aggregate([decompress(p, ctx) for p in payloads])`` in one pass, without a full-size
         decode per rank (allgather compressors: the ranks' payloads in rank order). None (the

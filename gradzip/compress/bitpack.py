@@ -76,9 +76,23 @@ def _unpack_torch(packed: Tensor, n: int) -> Tensor:  # any device; used off the
 def pack_signs(x: Tensor) -> Tensor:
     """Packed sign bits of ``x`` (read flat): bit 1 where the float's sign bit is set (x < 0 or -0.0)."""
     iv = x.detach().reshape(-1).view(INT_VIEW[x.dtype])
-    if iv.device.type == "cpu":
-        return torch.from_numpy(np.packbits(iv.numpy() < 0, bitorder="little"))
-    return _pack_torch(iv < 0)
+    if iv.device.type != "cpu":
+        return _pack_torch(iv < 0)
+    a = iv.numpy()
+    if a.size <= _PACK_CHUNK:
+        return torch.from_numpy(np.packbits(a < 0, bitorder="little"))
+    # Chunk by chunk, so that the one-byte-per-element mask stays in cache (same bytes: chunks hold
+    # whole bytes, and only the last one is padded, as one packbits call pads it).
+    out = np.empty(packed_numel(a.size), dtype=np.uint8)
+    neg = np.empty(_PACK_CHUNK, dtype=np.bool_)
+    for s in range(0, a.size, _PACK_CHUNK):
+        part = a[s:s + _PACK_CHUNK]
+        np.less(part, 0, out=neg[:part.size])
+        out[s // 8:s // 8 + packed_numel(part.size)] = np.packbits(neg[:part.size], bitorder="little")
+    return torch.from_numpy(out)
+
+
+_PACK_CHUNK = 1 << 18  # elements per step of pack_signs (a multiple of 8): a 256 KiB mask
 
 
 def unpack_signs(packed: Tensor, n: int, scale: Tensor | float, dtype: torch.dtype) -> Tensor:

@@ -9,8 +9,11 @@ Algorithm (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019), per k
 
 Invariant: ``compensated == transmitted + memory``. For multi-round compressors (PowerSGD), steps
 3–4 happen on the last round's *local* payload (P Q_localᵀ). The authors' code (Vogels et al. 2019)
-and torch's PowerSGD hook keep the residual against the *reduced* Q instead; both choices leave
-the same mean residual over ranks, since the mean of the local Qs is the reduced Q.
+and torch's PowerSGD hook keep the residual against the *reduced* Q instead, the approximation the
+decode computes anyway (one full-size matmul fewer per step): compressors that declare
+``residual_from_output`` (``powersgd:residual=reduced``) get that form, the memory being updated
+when the reduced payload is decoded. Both leave the same mean residual over ranks, since the mean
+of the local Qs is the reduced Q; per rank, the invariant then holds against the reduced result.
 
 The memory is kept in fp32 whatever the gradient's dtype, so that small residuals of bf16/fp16
 gradients are not rounded away; the output is cast back to the gradient's dtype.
@@ -78,6 +81,10 @@ class ErrorFeedback(BucketCompressor):
         self.lossless = inner.lossless
         self.description = inner.description
         self.Config = inner.Config
+        self.residual_from_output = inner.residual_from_output
+        if self.residual_from_output and (inner.collective != "allreduce" or inner.rounds < 2):
+            raise ValueError(f"{inner.name}: a residual against the reduced result needs a multi-round "
+                             "allreduce compressor (each rank decodes the reduced payload once)")
 
     @property
     def spec(self) -> str:
@@ -135,7 +142,7 @@ class ErrorFeedback(BucketCompressor):
         payload, inner_ctx = self.inner.next_round_batch(reduced, ctx.inner)
         payload = _unalias(payload, ctx.compensated)
         ctx = _EFCtx(inner_ctx, ctx.key, ctx.compensated, ctx.dtypes, ctx.round + 1, ctx.flat)
-        if ctx.round == self.inner.rounds - 1:
+        if ctx.round == self.inner.rounds - 1 and not self.residual_from_output:
             self._update_memory(payload, ctx)
         return payload, ctx
 
@@ -143,17 +150,23 @@ class ErrorFeedback(BucketCompressor):
         # memory := compensated − transmitted, in place: fused by the compressor when it can (top-k
         # zeroes the sent entries, sign codes subtract ±scale), else decode and subtract.
         assert ctx.flat is not None
-        if not self.inner.subtract_sent_batch(payload, ctx.inner, ctx.flat):
+        if self.residual_from_output:  # payload: the decode of the reduced result (decompress_batch)
+            self.inner.subtract_output(list(payload), ctx.inner, ctx.compensated)
+        elif not self.inner.subtract_sent_batch(payload, ctx.inner, ctx.flat):
             transmitted = self.inner.decompress_batch(payload, ctx.inner)
             for m, t in zip(ctx.compensated, transmitted):
                 m.sub_(t)
         # A non-finite gradient (an fp16 overflow step that the grad scaler skips) would poison the
-        # memory for good: zero those entries (no host sync, unlike an isfinite().all() check).
-        ctx.flat.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        # memory for good: zero those entries (no host sync, unlike an isfinite().all() check),
+        # unless the payload already proves the compensated gradient finite (one pass saved).
+        if not self.inner.sent_proves_finite_batch(payload, ctx.inner):
+            ctx.flat.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         ctx.compensated = ctx.flat = None
 
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
         out = self.inner.decompress_batch(payload, ctx.inner)
+        if self.residual_from_output and ctx.flat is not None:  # memory := compensated − reduced result
+            self._update_memory(tuple(out), ctx)
         return [cast_saturating(o, d) for o, d in zip(out, ctx.dtypes)]
 
     @torch.no_grad()

@@ -61,6 +61,13 @@ class SignCode(Compressor):
             part.sub_(torch.copysign(scale, part))
         return True
 
+    def sent_proves_finite(self, payload: Payload, ctx: tuple[torch.Size, torch.dtype]) -> bool:
+        # scale = mean |x|: finite only if every entry is (inf and NaN propagate through the sum).
+        # Off the CPU, reading it would sync the device: say "not known".
+        scale = payload[1]
+        return type(self).compress is SignCode.compress and scale.device.type == "cpu" \
+            and bool(torch.isfinite(scale).all())
+
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         return packed_numel(numel_of(shape)) + 4
 

@@ -11,7 +11,10 @@ P (n × r) and Q (m × r): (n + m)·r numbers instead of n·m. Per bucket, in tw
 5. ``decompress``: M̂ = P Qᵀ = P Pᵀ (mean M), the mean gradient projected on span(P); Q is kept.
 
 Error feedback is on by default (``ef=false`` turns it off): each rank keeps M − P Q_localᵀ, what
-its own factors did not carry. Without it PowerSGD converges poorly.
+its own factors did not carry (``residual=local``, the default: the per-rank EF invariant, and the
+floats of every committed reproduction). ``residual=reduced`` keeps M − P Q_reducedᵀ as the
+authors' code and torch's ``powerSGD_hook`` do: the decode already computes it, so EF costs one
+full-size matmul less. Without EF PowerSGD converges poorly.
 
 Tuning:
   * ``rank``: start at 2–4; increase it if the loss lags behind the uncompressed run. Each unit of
@@ -56,8 +59,11 @@ class PowerSGDConfig:
     warm_start: bool = True
     min_compression_rate: float = 2.0
     seed: int = 0
+    residual: str = "local"  # error feedback against this rank's factors (local) or the reduced ones
 
     def __post_init__(self) -> None:
+        if self.residual not in ("local", "reduced"):
+            raise ValueError(f"residual must be 'local' or 'reduced', got {self.residual!r}")
         if self.rank < 1:
             raise ValueError(f"rank must be an integer >= 1 (typically 1 to 32), got {self.rank}")
         if not self.min_compression_rate >= 0:
@@ -76,6 +82,7 @@ class PowerSGD(BucketCompressor):
 
     def __init__(self, config: PowerSGDConfig | None = None) -> None:
         super().__init__(config)
+        self.residual_from_output = self.config.residual == "reduced"
         self._q: dict[str, Tensor] = {}  # state key -> reduced Q of the last step (B, m, r)
         self._steps: dict[str, int] = {}  # state key -> steps taken (seeds a fresh random Q)
 
@@ -135,6 +142,13 @@ class PowerSGD(BucketCompressor):
                 out[i] = approx[k].view(ctx.shapes[i])
         return [o.to(d) for o, d in zip(out, ctx.dtypes)]
 
+
+    def subtract_output(self, out: list[Tensor], ctx: LowRankCtx, memory: list[Tensor]) -> None:
+        for i in ctx.plain:  # sent exactly: nothing is left behind (as local: x − x)
+            memory[i].sub_(memory[i])
+        for g in ctx.groups:
+            for i in g.idx:
+                memory[i].sub_(out[i])
 
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         dims = self._matrix(shape)
