@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from gradzip.cli import main
 from gradzip.compress import create, registry
@@ -95,3 +96,30 @@ def test_bench_compress_aggregate_rows(capsys):
     for name in ("onebit", "topk"):  # allgather compressors: timed against one decode
         assert rows[name]["ranks"] == 4 and rows[name]["aggregate_s"] > 0 and rows[name]["decode_s"] > 0
     assert "aggregate_s" not in rows["fp16"]  # an allreduce compressor sums on the wire
+
+
+def test_bench_sync_rows_and_memory(capsys):
+    """gradzip bench sync: one row per compressor and outer path; DiLoCo's extra memory is θ_global
+    plus the Nesterov buffer (2 × the parameters), plus the error memory with ef=true."""
+    assert main(["bench", "sync", "--model", "bert-tiny", "--compressor", "none", "topk:ratio=0.1,ef=true",
+                 "--rounds", "1", "--outer", "both", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["compressor"], r["outer"]) for r in rows] == [
+        ("none", "fused"), ("none", "step"), ("topk:ratio=0.1,ef=true", "fused"), ("topk:ratio=0.1,ef=true", "step")]
+    for r in rows:
+        assert r["ratio"] == pytest.approx(r["sync_s"] / r["memcpy_s"]) and r["sync_s"] > 0
+        assert r["extra_x_params"] == pytest.approx(2.0 if r["compressor"] == "none" else 3.0, rel=1e-3)
+
+
+def test_bench_compress_threads_report_the_speed_up(capsys):
+    before = torch.get_num_threads()
+    try:
+        rows = run_json(capsys, "--numel", "5000", "--only", "onebit", "topk", "--threads", "2")
+        assert torch.get_num_threads() == 2  # restored after each one-thread timing
+    finally:
+        torch.set_num_threads(before)
+    for r in rows:
+        assert r["threads"] == 2 and r["speedup_threads"] == pytest.approx(r["time_1thread_s"] / r["time_s"])
+    rows = run_json(capsys, "--numel", "5000", "--only", "onebit", "--threads", "1")
+    torch.set_num_threads(before)
+    assert "speedup_threads" not in rows[0]

@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ef", action="store_true", help="wrap every compressor in error feedback "
                         "(default: the bare compressors)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default); "
+                        "with more than one, each compressor is also timed on one thread and the speed-up shown")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     parser.add_argument("--aggregate", type=int, default=0, metavar="N",
                         help="allgather compressors: also time the aggregation of N ranks' payloads against one decode")
@@ -148,6 +149,16 @@ def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat
         timed["matmul_s"] = _matmuls(shapes, getattr(c, "inner", c).config.rank, device, gen)
     if aggregate and c.collective == "allgather" and c.rounds == 1:
         timed.update(_aggregation(c.spec, numel, aggregate, device))
+    threads = torch.get_num_threads()
+    if threads > 1 and device.type == "cpu":  # the same round trip on one thread: the speed-up threads give
+        def one_thread() -> None:
+            torch.set_num_threads(1)
+            try:
+                roundtrip()
+            finally:
+                torch.set_num_threads(threads)
+
+        timed["time_1thread_s"] = one_thread
     times = _interleaved(timed, repeat, device, statistics.median if stat == "median" else min)
     raw = flat.numel() * 4
     row: dict[str, Any] = {"name": c.name, "spec": c.spec, "numel": flat.numel(), "payload_bytes": sum(sent),
@@ -158,6 +169,8 @@ def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat
                    ratio_decode_each_to_decode=times["decode_each_s"] / times["decode_s"])
     if "matmul_s" in times:
         row["ratio_to_matmul"] = times["time_s"] / times["matmul_s"]
+    if "time_1thread_s" in times:
+        row["speedup_threads"] = times["time_1thread_s"] / times["time_s"]
     if c.per_tensor:
         row["shapes"] = [list(s) for s in shapes]
     if c.name in TARGETS:
@@ -229,18 +242,20 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int, device: torch.d
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.device) -> None:
     print(f"gradzip bench compress: {args.numel} fp32 elements, device {device}, {torch.get_num_threads()} "
           f"threads, {args.stat} of {args.repeat} after a warm-up, {'with' if args.ef else 'without'} error feedback")
+    threads = any("speedup_threads" in r for r in rows)
     head = ("compressor", "spec", "payload", "ratio", "time ms", "memcpy ms", "x memcpy", "matmul ms",
-            "x matmul", "target")
+            "x matmul", *(["speed-up vs 1 thread"] if threads else []), "target")
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append((r["name"], r["spec"], "error: " + r["error"], "", "", "", "", "", "", ""))
+            lines.append((r["name"], r["spec"], "error: " + r["error"], *[""] * (len(head) - 3)))
             continue
         target = f"{r['target']}: {'ok' if r['meets_target'] else 'MISSED'}" if "target" in r else ""
         mm = (f"{r['matmul_s'] * 1e3:.2f}", f"{r['ratio_to_matmul']:.2f}") if "matmul_s" in r else ("", "")
+        speed = [f"{r['speedup_threads']:.2f}x" if "speedup_threads" in r else ""] if threads else []
         lines.append((r["name"], r["spec"], _size(r["payload_bytes"]), f"{r['compression_ratio']:.1f}x",
                       f"{r['time_s'] * 1e3:.2f}", f"{r['memcpy_s'] * 1e3:.2f}", f"{r['ratio_to_memcpy']:.2f}", *mm,
-                      target))
+                      *speed, target))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     for j, line in enumerate(lines):
         print("  ".join(str(v).ljust(w) if i < 2 or i == len(head) - 1 else str(v).rjust(w)

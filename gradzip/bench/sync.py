@@ -10,6 +10,8 @@ round by round with a memcpy of the same number of parameter bytes:
   compress + decode, the outer Nesterov step on θ_global, copy back into the model;
 - ``memcpy_s``: one copy of every parameter (a flat tensor of the same size);
 - ``ratio`` = sync_s / memcpy_s. Target (issue 18): <= 3 for the local work of one sync.
+- ``outer``: ``fused`` times DiLoCo's cache-blocked outer step (:mod:`gradzip.engine.outer_step`),
+  ``step`` the same sync through ``outer.step()`` and a separate merge (``--outer both``: side by side).
 
 Memory: ``extra_bytes`` is what DiLoCo holds beyond the model and the inner optimizer, per rank:
 θ_global, the outer optimizer's state (Nesterov momentum: one more copy) and the compressor's
@@ -43,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pseudo-gradient compressors (default: none int8bins intk:bits=4 topk+EF)")
     parser.add_argument("--momentum", type=float, default=0.9, help="outer Nesterov momentum (default: 0.9)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: 5)")
+    parser.add_argument("--outer", choices=("fused", "step", "both"), default="fused",
+                        help="the outer step: fused (DiLoCo's cache-blocked one, the default when the outer "
+                             "optimizer is a plain torch SGD), step (outer.step() then the merge), both")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
 
 
@@ -56,13 +61,19 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def measure(model_name: str, spec: str, momentum: float, rounds: int, comm: Any) -> dict[str, Any]:
+class _StepSGD(torch.optim.SGD):
+    """A plain SGD that DiLoCo does not fuse (a subclass): it calls step(), then merges."""
+
+
+def measure(model_name: str, spec: str, momentum: float, rounds: int, comm: Any,
+            outer_path: str = "fused") -> dict[str, Any]:
     cfg = bert_config(model_name, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     model = BertForPreTraining(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     inner = torch.optim.SGD(params, lr=0.0)
-    outer = torch.optim.SGD(params, lr=0.7, momentum=momentum, nesterov=momentum > 0, foreach=True)
+    cls = torch.optim.SGD if outer_path == "fused" else _StepSGD
+    outer = cls(params, lr=0.7, momentum=momentum, nesterov=momentum > 0, foreach=True)
     sync = DiLoCo(model, inner, outer, comm, 1, spec, hook=False)
     numel = sum(p.numel() for p in params)
     src, dst = torch.randn(numel), torch.empty(numel)
@@ -83,7 +94,8 @@ def measure(model_name: str, spec: str, momentum: float, rounds: int, comm: Any)
     extra = _tensor_bytes(sync.global_) + _tensor_bytes(outer.state_dict()["state"]) + \
         _tensor_bytes(sync.compressors[0].state_dict())
     s, c = statistics.median(sync_s), statistics.median(copy_s)
-    return {"model": model_name, "compressor": spec, "params": numel, "sync_s": s, "memcpy_s": c,
+    return {"model": model_name, "compressor": spec, "outer": outer_path, "params": numel, "sync_s": s,
+            "memcpy_s": c,
             "ratio": s / c, "target": TARGET, "extra_bytes": extra, "extra_x_params": extra / (4 * numel)}
 
 
@@ -91,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     comm = init_communicator("gloo")
     try:
-        rows = [measure(args.model, spec, args.momentum, args.rounds, comm) for spec in args.compressor]
+        paths = ("fused", "step") if args.outer == "both" else (args.outer,)
+        rows = [measure(args.model, spec, args.momentum, args.rounds, comm, path)
+                for spec in args.compressor for path in paths]
     finally:
         comm.close()
     if args.json:
@@ -99,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{rows[0]['model']}: {rows[0]['params']:,} parameters; one sync's local work vs one memcpy of them "
           f"(median of {args.rounds}); target <= {TARGET:g}x")
-    print(f"{'compressor':<26}{'sync ms':>9}{'memcpy ms':>11}{'ratio':>8}{'extra MB':>10}{'x params':>10}")
+    print(f"{'compressor':<26}{'outer':>6}{'sync ms':>9}{'memcpy ms':>11}{'ratio':>8}{'extra MB':>10}{'x params':>10}")
     for r in rows:
-        print(f"{r['compressor']:<26}{r['sync_s'] * 1e3:>9.2f}{r['memcpy_s'] * 1e3:>11.2f}{r['ratio']:>7.2f}x"
-              f"{r['extra_bytes'] / 1e6:>10.1f}{r['extra_x_params']:>10.2f}")
+        print(f"{r['compressor']:<26}{r['outer']:>6}{r['sync_s'] * 1e3:>9.2f}{r['memcpy_s'] * 1e3:>11.2f}"
+              f"{r['ratio']:>7.2f}x{r['extra_bytes'] / 1e6:>10.1f}{r['extra_x_params']:>10.2f}")
     return 0
