@@ -123,3 +123,11 @@ def test_bench_compress_threads_report_the_speed_up(capsys):
     rows = run_json(capsys, "--numel", "5000", "--only", "onebit", "--threads", "1")
     torch.set_num_threads(before)
     assert "speedup_threads" not in rows[0]
+
+
+@pytest.mark.parametrize("spec, message", [("topk", "--powersgd takes a powersgd spec, got 'topk'"),
+                                           ("powersgd:rank=0", "rank must be an integer >= 1")])
+def test_bench_engine_refuses_a_bad_powersgd_spec_before_starting(capsys, spec, message):
+    assert main(["bench", "engine", "--workers", "2", "--model", "tiny", "--powersgd", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
