@@ -19,6 +19,7 @@ where ``step()`` keeps it, so ``state_dict()``, checkpoints and a later unfused 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,39 +50,57 @@ def fused_sgd_step(opt: torch.optim.SGD, items: Sequence[tuple[Tensor, Tensor, T
     ``items``: per parameter ``(param, theta, grad, targets)``: ``param`` keys the optimizer's
     group and state, ``theta`` (θ_global, contiguous, the parameter's shape) is updated in place,
     ``grad`` (the averaged Δ, contiguous) is consumed (Nesterov overwrites it, as ``step()`` does
-    with ``.grad``), and every tensor in ``targets`` becomes ``α·target + (1 − α)·θ_global``
-    (a copy when α = 0). ``param`` itself is not touched unless it is one of the targets.
+    with ``.grad``), and every tensor in ``targets`` (the same number per item) becomes
+    ``α·target + (1 − α)·θ_global`` (a copy when α = 0). ``param`` itself is not touched unless it
+    is one of the targets.
+
+    Blocks: large tensors are cut into :data:`CHUNK`-element slices and small ones gathered, into
+    waves of about :data:`CHUNK` elements; each wave goes through the update with one ``_foreach``
+    call per operation (the kernels of ``step()``, a C++ loop instead of one Python call per tensor).
     """
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    waves: dict[tuple[int, bool], list[list[Any]]] = {}  # (group, first step) -> waves of slices
     for param, theta, grad, targets in items:
         g = group_of[id(param)]
-        lr, mom, damp, wd = float(g["lr"]), float(g["momentum"]), float(g["dampening"]), float(g["weight_decay"])
-        buf = opt.state[param].get("momentum_buffer") if mom != 0 else None  # no state without momentum
-        first = mom != 0 and buf is None
+        buf = opt.state[param].get("momentum_buffer") if g["momentum"] != 0 else None  # no state without momentum
+        first = g["momentum"] != 0 and buf is None
         if first:  # step() starts the buffer as a copy of the (decayed) gradient
             buf = opt.state[param]["momentum_buffer"] = torch.empty_like(grad)
-        views = [theta.view(-1), grad.view(-1)] + ([buf.view(-1)] if buf is not None else []) + \
+        views = [theta.view(-1), grad.view(-1), buf.view(-1) if buf is not None else None] + \
             [t.view(-1) for t in targets]
+        todo = waves.setdefault((id(g), first), [[]])
         for start in range(0, theta.numel(), CHUNK):
-            th, gr, *rest = (v[start:start + CHUNK] for v in views)
-            if wd != 0:
-                gr.add_(th, alpha=wd)
-            if buf is not None:
-                b, outs = rest[0], rest[1:]
-                if first:
-                    b.copy_(gr)
-                else:
-                    b.mul_(mom).add_(gr, alpha=1 - damp)
-                if g["nesterov"]:
-                    gr.add_(b, alpha=mom)
-                    th.add_(gr, alpha=-lr)
-                else:
-                    th.add_(b, alpha=-lr)
-            else:
-                outs = rest
-                th.add_(gr, alpha=-lr)
-            for o in outs:
-                if alpha == 0:
-                    o.copy_(th)
-                else:
-                    o.lerp_(th, 1.0 - alpha)
+            if sum(c[0].numel() for c in todo[-1]) + min(CHUNK, theta.numel() - start) > CHUNK:
+                todo.append([])  # this wave is full
+            todo[-1].append([v[start:start + CHUNK] if v is not None else None for v in views])
+    groups = {id(g): g for g in opt.param_groups}
+    for (gid, first), todo in waves.items():
+        for wave in todo:
+            if wave:
+                _update(groups[gid], first, [list(col) for col in zip(*wave)], alpha)
+
+
+def _update(g: dict[str, Any], first: bool, cols: list[list[Any]], alpha: float) -> None:
+    """step()'s operations, in its order, on one wave: ``cols`` = [θ, Δ, buffers, *targets]."""
+    th, gr, bufs, *outs = cols
+    lr, mom, damp, wd = float(g["lr"]), float(g["momentum"]), float(g["dampening"]), float(g["weight_decay"])
+    if wd != 0:
+        torch._foreach_add_(gr, th, alpha=wd)
+    if mom != 0:
+        if first:
+            torch._foreach_copy_(bufs, gr)
+        else:
+            torch._foreach_mul_(bufs, mom)
+            torch._foreach_add_(bufs, gr, alpha=1 - damp)
+        if g["nesterov"]:
+            torch._foreach_add_(gr, bufs, alpha=mom)
+            torch._foreach_add_(th, gr, alpha=-lr)
+        else:
+            torch._foreach_add_(th, bufs, alpha=-lr)
+    else:
+        torch._foreach_add_(th, gr, alpha=-lr)
+    for o in outs:
+        if alpha == 0:
+            torch._foreach_copy_(o, th)
+        else:
+            torch._foreach_lerp_(o, th, 1.0 - alpha)
