@@ -4,6 +4,7 @@ it measures equal every compressor's declared formula. (Speed itself is never as
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -131,3 +132,10 @@ def test_bench_engine_refuses_a_bad_powersgd_spec_before_starting(capsys, spec, 
     assert main(["bench", "engine", "--workers", "2", "--model", "tiny", "--powersgd", spec]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bench_sync_leaves_the_environment_as_it_found_it(capsys, monkeypatch):
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["bench", "sync", "--model", "bert-tiny", "--compressor", "none", "--rounds", "1", "--json"]) == 0
+    assert not any(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))

@@ -100,8 +100,19 @@ def measure(model_name: str, spec: str, momentum: float, rounds: int, comm: Any,
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    comm = init_communicator("gloo")
+    # A one-process Gloo group; the variables are put back after, so that a caller's later
+    # launches (mpirun, torchrun) do not inherit a world of one.
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        comm = init_communicator("gloo")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         paths = ("fused", "step") if args.outer == "both" else (args.outer,)
         rows = [measure(args.model, spec, args.momentum, args.rounds, comm, path)
