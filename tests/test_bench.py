@@ -51,7 +51,9 @@ def test_bench_compress_only_and_ef(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [(["--only", "nosuch"], "unknown compressor(s) nosuch"),
-                                           (["--numel", "0"], "--numel, --repeat and --threads must be >= 1")])
+                                           (["--numel", "0"], "--numel, --repeat and --threads must be >= 1"),
+                                           (["--only", "powersgd:rank=0"], "powersgd: rank must be"),
+                                           (["--only", "topk:colour=red"], "unknown parameter(s) colour")])
 def test_bench_compress_bad_input_is_one_line(capsys, argv, message):
     assert main(["bench", "compress", *argv]) == 2
     err = capsys.readouterr().err

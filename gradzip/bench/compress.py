@@ -45,7 +45,7 @@ import torch
 
 from gradzip.compress import create, registry
 from gradzip.compress.base import Compressor
-from gradzip.errors import GradzipError
+from gradzip.errors import GradzipError, SpecError
 
 PARAMS = {"topk": "ratio=0.01", "randomk": "ratio=0.01", "powersgd": "rank=4"}
 # name -> (reference, max ratio to it)
@@ -101,13 +101,19 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted({o.split(":")[0] for o in args.only or []} - set(names))
     if unknown:
         raise GradzipError(f"unknown compressor(s) {', '.join(unknown)} for --only; choose from: {', '.join(names)}")
-    rows, failed = [], False
+    specs = []
     for item in args.only or names:
         name, _, given = item.partition(":")
         params = given.split(",") if given else [PARAMS[name]] if name in PARAMS else []
         if not any(p.startswith("ef=") for p in params):
             params.append(f"ef={str(args.ef).lower()}")
-        spec = f"{name}:{','.join(params)}"
+        specs.append((name, f"{name}:{','.join(params)}"))
+        try:  # a bad spec is bad input: one line before anything is timed
+            create(specs[-1][1])
+        except SpecError as e:
+            raise GradzipError(f"--only {item}: {e}") from None
+    rows, failed = [], False
+    for name, spec in specs:
         try:
             rows.append(bench_one(create(spec), args.numel, args.repeat, device, args.stat, args.aggregate))
         except Exception as e:  # one broken compressor should not hide the others' numbers
