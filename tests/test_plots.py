@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from gradzip.cli import main
+from gradzip.cluster.schedule import BucketTiming, model_step
 from gradzip.plots.figures import crossover
 from gradzip.plots.report import make_report
 from gradzip.plots.results import FIGURES, Target, load_runs
@@ -56,6 +57,9 @@ def write_run(d: Path, compressor: str, bandwidth: str, workers: int, steps: int
                "bytes_per_step": sent, "compression_ratio": (FULL_BYTES * 2 * (workers - 1) / workers / sent)
                if sent else None, "wall_s": wall, "clock": clock, "compressor": compressor, "workers": workers}
     (d / "summary.json").write_text(json.dumps(summary))
+    m = model_step(0.05, [BucketTiming(0.02, 0.001, [comm / 2]), BucketTiming(0.04, 0.001, [comm / 2], [], 0.001)])
+    (d / "schedule.json").write_text(json.dumps({"step": steps, "clock": clock, "step_s": m.step_s,
+                                                 "spans": [sp.to_dict() for sp in m.spans]}))
     return summary
 
 
@@ -95,7 +99,7 @@ def test_sweep_directory_gives_every_figure_and_captions(tmp_path):
     assert "My own caption." in md  # the spec's caption wins ...
     # ... and every figure with a time axis says which clock it is on.
     for d in rep.figures:
-        if d.name in ("loss_time", "throughput_bandwidth", "step_time", "scaling", "time_to_target"):
+        if d.name in ("loss_time", "throughput_bandwidth", "step_time", "schedule", "scaling", "time_to_target"):
             assert "modelled" in d.caption, d.name
     # one worker sends nothing: those runs have no place on loss_vs_bytes's log axis, and it says so
     lvb = next(d for d in rep.figures if d.name == "loss_vs_bytes")

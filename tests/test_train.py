@@ -396,7 +396,13 @@ def test_two_process_gloo_run_matches_sim(tmp_path, tiny):
         assert g["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-4)
         assert (g["bytes_sent"], g["tokens"]) == (s["bytes_sent"], s["tokens"])
     assert json.loads((tmp_path / "gloo" / "summary.json").read_text())["workers"] == 2
-    assert sorted(p.name for p in (tmp_path / "gloo").iterdir()) == ["config.toml", "metrics.jsonl", "summary.json"]
+    assert sorted(p.name for p in (tmp_path / "gloo").iterdir()) == ["config.toml", "metrics.jsonl", "schedule.json",
+                                                                      "summary.json"]
+    # rank 0's measured schedule of its last step: every bucket encoded, sent and decoded
+    sched = json.loads((tmp_path / "gloo" / "schedule.json").read_text())
+    assert sched["step"] == 2 and sched["clock"] == "measured"
+    kinds = {(s["lane"], s["kind"]) for s in sched["spans"]}
+    assert {("compute", "backward"), ("compute", "encode"), ("link", "round"), ("compute", "decode")} <= kinds
 
 
 def test_bench_train_reports_throughput_and_loss(corpus, capsys):

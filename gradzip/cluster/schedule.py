@@ -33,6 +33,12 @@ Model (the engine's own schedule, one compute thread and one serial link per wor
    thread waits on the link, never negative). For one-round compressors this is
    ``max(0, end_last − B)`` plus the decode waits of the tail.
 
+The schedule itself comes back as :class:`Span` s (``ModelledStep.spans``): on the compute
+thread, backward, each bucket's encode, the waits for the link, the work between rounds and the
+decodes; on the link, each round in flight. ``gradzip train`` writes one step's spans to
+``schedule.json`` and ``gradzip plot`` draws them (figure ``schedule``); real backends record
+the same spans from measured timestamps (:func:`measured_spans`).
+
 What it ignores, on purpose: stragglers (means, not maxima, over workers), contention between
 compression kernels and communication for memory bandwidth, and the optimizer step.
 """
@@ -55,6 +61,60 @@ class BucketTiming:
 
 
 @dataclass
+class Span:
+    """One interval of a step's schedule, in seconds from the start of forward.
+
+    lane: ``"compute"`` (the worker's one compute thread) or ``"link"`` (its serial link).
+    kind: on the compute thread ``"backward"`` (forward and backward, between the encodes),
+        ``"encode"`` (pack + round 0's compression), ``"wait"`` (blocked on the link),
+        ``"between"`` (work between rounds: PowerSGD's next factor), ``"decode"`` (decode the last
+        round, write ``.grad``); on the link ``"round"`` (a round's collectives in flight; on real
+        backends from launch to the end of the wait, an upper bound of the transfer).
+    """
+
+    lane: str
+    kind: str
+    start: float
+    end: float
+    bucket: int | None = None
+    round: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"lane": self.lane, "kind": self.kind, "start": self.start, "end": self.end,
+                "bucket": self.bucket, "round": self.round}
+
+
+def _add(spans: list[Span], lane: str, kind: str, start: float, end: float,
+         bucket: int | None = None, rnd: int | None = None) -> None:
+    if end > start:
+        spans.append(Span(lane, kind, start, end, bucket, rnd))
+
+
+def backward_spans(encodes: Sequence[Span], backward_end: float) -> list[Span]:
+    """The compute thread's backward: the part of [0, backward_end] that no encode occupies."""
+    out: list[Span] = []
+    t = 0.0
+    for e in sorted(encodes, key=lambda s: s.start):
+        _add(out, "compute", "backward", t, e.start)
+        t = max(t, e.end)
+    _add(out, "compute", "backward", t, backward_end)
+    return out
+
+
+Mark = tuple[str, str, float, float, "int | None", "int | None"]  # lane, kind, start, end, bucket, round
+
+
+def measured_spans(marks: Sequence[Mark], origin: float, backward_end: float) -> list[Span]:
+    """A real backend's schedule: ``marks`` with absolute ``perf_counter`` times, made relative to
+    ``origin`` (the start of forward); backward fills the compute thread up to ``backward_end``
+    (relative) wherever no encode ran."""
+    spans: list[Span] = []
+    for lane, kind, start, end, bucket, rnd in marks:
+        _add(spans, lane, kind, start - origin, end - origin, bucket, rnd)
+    return backward_spans([s for s in spans if s.kind == "encode"], backward_end) + spans
+
+
+@dataclass
 class ModelledStep:
     step_s: float
     compute_s: float
@@ -62,6 +122,7 @@ class ModelledStep:
     comm_s: float
     link_s: float
     backward_end_s: float
+    spans: list[Span] = field(default_factory=list)
 
 
 def model_step(compute_s: float, buckets: Sequence[BucketTiming]) -> ModelledStep:
@@ -70,33 +131,43 @@ def model_step(compute_s: float, buckets: Sequence[BucketTiming]) -> ModelledSte
     engine = 0.0     # compute-thread engine work done so far
     link = 0.0       # when the link becomes free
     ends: list[float] = []
-    for b in buckets:
+    spans: list[Span] = []
+    for i, b in enumerate(buckets):
         t = max(t, b.ready_s + engine) + b.compress_s
         engine += b.compress_s
-        link = max(t, link) + (b.rounds_s[0] if b.rounds_s else 0.0)
+        _add(spans, "compute", "encode", t - b.compress_s, t, i)
+        r0 = b.rounds_s[0] if b.rounds_s else 0.0
+        _add(spans, "link", "round", max(t, link), max(t, link) + r0, i, 0)
+        link = max(t, link) + r0
         ends.append(link)
     t = backward_end = max(t, compute_s + engine)
+    spans = backward_spans([s for s in spans if s.kind == "encode"], backward_end) + spans
     rnd = [0] * len(buckets)
     pending = list(range(len(buckets)))
     while pending:
         still = []
         for i in pending:
             b = buckets[i]
+            _add(spans, "compute", "wait", t, ends[i], i, rnd[i])
             t = max(t, ends[i])
             if rnd[i] + 1 < len(b.rounds_s):
-                t += b.between_s[rnd[i]] if rnd[i] < len(b.between_s) else 0.0
+                between = b.between_s[rnd[i]] if rnd[i] < len(b.between_s) else 0.0
+                _add(spans, "compute", "between", t, t + between, i, rnd[i])
+                t += between
                 rnd[i] += 1
+                _add(spans, "link", "round", max(t, link), max(t, link) + b.rounds_s[rnd[i]], i, rnd[i])
                 link = max(t, link) + b.rounds_s[rnd[i]]
                 ends[i] = link
                 still.append(i)
             else:
+                _add(spans, "compute", "decode", t, t + b.decode_s, i)
                 t += b.decode_s
         pending = still
     compress = sum(b.compress_s + sum(b.between_s) + b.decode_s for b in buckets)
     link_s = sum(sum(b.rounds_s) for b in buckets)
     exposed = max(0.0, t - compute_s - compress)
     return ModelledStep(step_s=compute_s + compress + exposed, compute_s=compute_s, compress_s=compress,
-                        comm_s=exposed, link_s=link_s, backward_end_s=backward_end)
+                        comm_s=exposed, link_s=link_s, backward_end_s=backward_end, spans=spans)
 
 
 def mean_timings(per_worker: Sequence[Sequence[BucketTiming]]) -> list[BucketTiming]:

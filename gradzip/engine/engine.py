@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from gradzip.cluster.buckets import Bucket, MiB, assign_buckets
-from gradzip.cluster.schedule import BucketTiming, mean_timings, model_step
+from gradzip.cluster.schedule import BucketTiming, Mark, Span, mean_timings, measured_spans, model_step
 from gradzip.comm.base import Communicator
 from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import Compressor, unflatten
@@ -174,6 +174,8 @@ class _Worker:
         self.hook_s = 0.0  # engine time inside hooks (lies within forward+backward)
         self.sums: list[Tensor] = []  # per launched bucket: fp32 sum of the local gradient (inf/NaN check)
         self.fin_s = 0.0   # engine compute time outside hooks (flush, next rounds, decode)
+        self.marks: list[Mark] = []  # real backends: this step's schedule, absolute times
+        self.launched: dict[int, float] = {}  # bucket -> when its current round was launched
 
     def buffer(self, b: Bucket) -> Tensor:
         buf = self.buffers[b.index]
@@ -216,8 +218,10 @@ class Engine:
         # transform of each bucket's local gradient before it is compressed (the local momentum).
         self.compressing = True
         self.transform: Callable[[Bucket, Tensor], None] | None = None
-        # Per-bucket timings of the last step (sim: mean over workers), for overlap analysis.
+        # Per-bucket timings of the last step (sim: mean over workers), for overlap analysis, and
+        # its schedule (sim: the virtual clock's; real: this rank's measured), see cluster.schedule.
         self.last_timings: list[BucketTiming] = []
+        self.last_schedule: list[Span] = []
 
         if self.config.check:
             options = {"bucket_cap_mb": self.config.bucket_cap_mb, "min_compress_numel": self.config.min_compress_numel,
@@ -439,8 +443,12 @@ class Engine:
             comp = w.compressor if b.compressed and self.compressing else self._plain
             tensors = unflatten(buf, b.shapes) if b.compressed and self._per_tensor else [buf]
             ex = w.scheme.exchange(comp, tensors, b.key)
+            t_enc = _now()
             ex.start()
             w.exchanges[b.index] = ex
+            if not self.sim:
+                w.launched[b.index] = t_done = _now()
+                w.marks.append(("compute", "encode", t_enc, t_done, b.index, None))
             w.timing[b.index] = BucketTiming(ready_s=max(ready_s, 0.0), compress_s=w.pack_s[b.index] + ex.compress_s)
             w.next_launch += 1
 
@@ -480,10 +488,12 @@ class Engine:
                 for w in self._workers:
                     ex = w.exchanges[bi]
                     assert ex is not None
-                    c0 = ex.compress_s
+                    c0, rnd, t0 = ex.compress_s, ex.round, _now()
                     mine = ex.advance()
                     done = done and mine
                     dc = ex.compress_s - c0
+                    if not self.sim:
+                        self._mark(w, bi, rnd, t0, _now(), dc, mine)
                     w.fin_s += dc
                     if mine:
                         w.timing[bi].decode_s += dc
@@ -496,12 +506,24 @@ class Engine:
                     t0 = _now()
                     self._write_back(self.buckets[bi], self._workers[0].exchanges[bi].result())  # type: ignore[union-attr]
                     dt = _now() - t0
+                    if not self.sim:
+                        self._workers[0].marks.append(("compute", "decode", t0, t0 + dt, bi, None))
                     for w in self._workers:  # every real worker writes its own .grad
                         w.timing[bi].decode_s += dt
                         w.fin_s += dt
                 else:
                     still.append(bi)
             pending = still
+
+    @staticmethod
+    def _mark(w: _Worker, bi: int, rnd: int, t0: float, t1: float, work_s: float, last: bool) -> None:
+        """Record one advance() of a real backend: the wait for round ``rnd`` (in flight on the link
+        since its launch), then the work after it (decode, or the next round's compression)."""
+        waited = t1 - work_s
+        w.marks.append(("link", "round", w.launched.get(bi, t0), waited, bi, rnd))
+        w.marks.append(("compute", "wait", t0, waited, bi, rnd))
+        w.marks.append(("compute", "decode" if last else "between", waited, t1, bi, None if last else rnd))
+        w.launched[bi] = t1
 
     def _write_back(self, b: Bucket, result: list[Tensor]) -> None:
         parts = unflatten(result[0], b.shapes) if len(result) == 1 and not (b.compressed and self._per_tensor) \
@@ -532,6 +554,7 @@ class Engine:
                 computes.append(max(0.0, (w.t_end or t_fin) - (w.fwd_start or t_fin) - w.hook_s))
             self.last_timings = mean_timings(per_worker)
             m = model_step(sum(computes) / len(computes), self.last_timings)
+            self.last_schedule = m.spans
             return StepStats(compute_s=m.compute_s, compress_s=m.compress_s, comm_s=m.comm_s, bytes_sent=sent,
                              bytes_recv=recv, step_s=m.step_s, clock="modelled", link_s=m.link_s,
                              buckets=len(self.buckets), intra_bytes_sent=intra)
@@ -539,6 +562,7 @@ class Engine:
         self.last_timings = list(w.timing)
         start = w.fwd_start if w.fwd_start is not None else self._last_end
         compute = max(0.0, (w.t_end or t_fin) - start - w.hook_s)
+        self.last_schedule = measured_spans(w.marks, start, (w.t_end or t_fin) - start)
         compress = sum(t.compress_s + sum(t.between_s) + t.decode_s for t in w.timing)
         # Exposed communication: time in finalize not spent on engine compute (real backends flush
         # inside finalize, so all of fin_s lies in that interval).

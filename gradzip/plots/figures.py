@@ -39,7 +39,7 @@ CLOCK_TEXT = {
 }
 
 
-TIME_FIGURES = {"loss_time", "throughput_bandwidth", "step_time", "scaling", "time_to_target"}
+TIME_FIGURES = {"loss_time", "throughput_bandwidth", "step_time", "schedule", "scaling", "time_to_target"}
 
 
 class Skip(Exception):
@@ -516,6 +516,12 @@ def _lowcomm(name: str) -> Callable[..., Any]:
     return draw
 
 
+def _schedule(*args: Any) -> Any:
+    """Figure ``schedule`` (:mod:`gradzip.plots.schedule`), imported when first drawn."""
+    from gradzip.plots.schedule import fig_schedule
+    return fig_schedule(*args)
+
+
 def _metric(name: str) -> Callable[..., Any]:
     """The figure of one metrics.jsonl field (:mod:`gradzip.plots.metric_figures`)."""
     def draw(*args: Any) -> Any:
@@ -530,6 +536,7 @@ DRAW: dict[str, Callable[..., Any]] = {
     "throughput_bandwidth": fig_throughput_bandwidth,
     "bytes_per_step": fig_bytes_per_step,
     "step_time": fig_step_time,
+    "schedule": _schedule,
     "loss_vs_ratio": fig_loss_vs_ratio,
     "scaling": fig_scaling,
     "bytes_workers": _scale("fig_bytes_workers"),

@@ -30,6 +30,7 @@ FIGURES: dict[str, str] = {
     "throughput_bandwidth": "throughput (samples/s) against link bandwidth, per compressor",
     "bytes_per_step": "bytes sent per rank per step, per compressor (log scale)",
     "step_time": "time of a step split into compute, compression and exposed communication",
+    "schedule": "one step's timeline: backward, encodes, waits and decodes on the compute thread; rounds on the link",
     "loss_vs_ratio": "final eval loss against compression ratio (accuracy–bandwidth trade-off)",
     "scaling": "scaling efficiency against number of workers",
     "bytes_workers": "bytes sent per rank per step against workers, per method (log-log)",

@@ -13,6 +13,7 @@ exchanged through the compressor and an outer step merges them. Outputs in ``cfg
 - ``config.toml``: the resolved configuration (``--config`` accepts it);
 - ``metrics.jsonl``: one record per step (fields: :mod:`gradzip.training.metrics`);
 - ``summary.json``: final losses, tokens/s, bytes per step, compression ratio, ...;
+- ``schedule.json``: the last step's schedule of encodes, waits, decodes and link rounds;
 - ``ckpt-*.pt``: checkpoints (:mod:`gradzip.training.checkpoint`), the newest K kept.
 
 Example::
@@ -40,7 +41,15 @@ from gradzip.training.config import TrainConfig, write_toml
 from gradzip.training.evaluate import evaluate, to_device
 from gradzip.training.faults import FaultPlan
 from gradzip.training.loggers import open_sinks, parse_log
-from gradzip.training.metrics import MetricsLog, StepRecord, read_metrics, summarize, truncate_metrics, write_summary
+from gradzip.training.metrics import (
+    MetricsLog,
+    StepRecord,
+    read_metrics,
+    summarize,
+    truncate_metrics,
+    write_schedule,
+    write_summary,
+)
 from gradzip.training.optim import WarmupDecay, build_optimizer
 from gradzip.training.precision import Precision
 from gradzip.training.progress import Progress
@@ -141,6 +150,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         bar = Progress(cfg.progress and runtime.is_main, total=last, initial=progress["step"])
         t_start = time.perf_counter() - progress["host_s"]
         model.train()
+        last_schedule: tuple[int, StepStats, list[Any]] | None = None
         while progress["step"] < last:
             step = progress["step"]
             lr = schedule.lr
@@ -183,6 +193,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                         t, s = _batches(model, data, cfg, precision, runtime, step, w, losses, engine)
                         tokens, samples = tokens + t, samples + s
                 stats = engine.finalize()  # averaged gradients are in p.grad now
+                last_schedule = (step + 1, stats, engine.last_schedule)
 
                 # -- metrics, and how many workers saw inf/NaN, summed over ranks (real backends: the
                 # flag rides on this reduction, which is not counted as exchange bytes; sim: local) --
@@ -249,6 +260,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         none_bytes = allreduce_bytes(4 * info["params"], runtime.num_workers)  # fp32 ring allreduce of every gradient
         summary = summarize(read_metrics(metrics_path), info, none_bytes)
         write_summary(out, summary)
+        if last_schedule is not None and last_schedule[2]:
+            write_schedule(out, last_schedule[0], last_schedule[1].clock, last_schedule[1].step_s, last_schedule[2])
         return summary
     finally:
         if log is not None:  # an error: still flush and close the live-curve sinks

@@ -32,6 +32,12 @@ eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_l
 
 :class:`StepRecord` is that record, typed; the loop fills one per step.
 
+``schedule.json`` is the schedule of the run's last per-step exchange (not with ``--sync diloco``):
+``{"step", "clock", "step_s", "spans": [{"lane", "kind", "start", "end", "bucket", "round"}]}``, times
+in seconds from the start of that step's forward (:class:`gradzip.cluster.schedule.Span`): the
+compute thread's backward, encodes, waits and decodes, and each round on the link. ``gradzip plot``
+draws it (figure ``schedule``).
+
 ``summary.json`` is computed from the whole ``metrics.jsonl`` (so it covers resumed runs), and is
 written only here: :func:`write_summary` by the loop, :func:`update_summary` by launchers that add
 what only they know (the testbed's wire bytes).
@@ -186,6 +192,12 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
 def write_summary(out: str | os.PathLike[str], summary: dict[str, Any]) -> None:
     """Write ``out/summary.json`` (atomically)."""
     atomic_write_json(Path(out) / "summary.json", _clean(summary))
+
+
+def write_schedule(out: str | os.PathLike[str], step: int, clock: str, step_s: float, spans: list[Any]) -> None:
+    """Write ``out/schedule.json`` (atomically): one step's :class:`~gradzip.cluster.schedule.Span` s."""
+    atomic_write_json(Path(out) / "schedule.json", {"step": step, "clock": clock, "step_s": step_s,
+                                                    "spans": [s.to_dict() for s in spans]}, indent=None)
 
 
 def update_summary(out: str | os.PathLike[str], extra: dict[str, Any]) -> dict[str, Any]:
