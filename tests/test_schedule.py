@@ -147,6 +147,11 @@ def test_train_writes_the_schedule_and_plot_draws_it(tmp_path, corpus, capsys):
         assert total(spans, "wait") == pytest.approx(metrics[-1]["comm_s"])
     assert main(["plot", str(tmp_path / "runs" / "onebit"), "--figures", "schedule"]) == 0
     assert_image(tmp_path / "runs" / "onebit" / "figures" / "schedule.png")
+    # a damaged schedule.json skips that run with the reason, never a traceback
+    (tmp_path / "runs" / "none" / "schedule.json").write_text('{"spans": [{"lane": "link"}]}')
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "runs" / "none"), "--figures", "schedule"]) == 0
+    assert "schedule.json" in capsys.readouterr().out
     # DiLoCo has no per-step exchange: no schedule, and the figure says why it is skipped
     assert main([*args, "--sync", "diloco:every=2", "--out", str(tmp_path / "diloco")]) == 0
     assert not (tmp_path / "diloco" / "schedule.json").exists()

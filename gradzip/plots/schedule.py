@@ -41,7 +41,13 @@ def load_schedule(run: Run) -> dict[str, Any] | None:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("spans"), list) else None
+    if not isinstance(doc, dict) or not isinstance(doc.get("spans"), list):
+        return None
+    # A hand-edited or foreign file: skip the run rather than fail the whole plot on a bad span.
+    ok = all(isinstance(sp, dict) and sp.get("lane") in ("compute", "link")
+             and isinstance(sp.get("start"), int | float) and isinstance(sp.get("end"), int | float)
+             for sp in doc["spans"])
+    return doc if ok else None
 
 
 def _rows(col: Collection) -> list[tuple[Series, Run, dict[str, Any]]]:
