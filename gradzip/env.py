@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip import __version__
+from gradzip.compress import native
 
 
 def _version(dist: str) -> str:
@@ -119,6 +120,7 @@ def collect() -> dict[str, str]:
     info["backends"] = ", ".join(backends)
     info["cpu"] = _cpu()
     info["torch threads"] = str(torch.get_num_threads())
+    info["native kernels"] = native.status().removeprefix("native kernels: ")
     if cuda:
         info["gpu"] = "; ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     else:

@@ -423,7 +423,7 @@ def test_gradzip_ls_lists_every_compressor(capsys):
 
 @pytest.mark.parametrize("spec", EF_SPECS)
 def test_fused_error_feedback_equals_decode_and_subtract(spec, monkeypatch):
-    """Compressors that update the residual in place (Compressor.subtract_sent) give the same
+    """Compressors that update the residual in place (Compressor.subtract_sent, compress_subtract) give the same
     floats, bit for bit, as decoding into a new buffer and subtracting, on gradients with zeros of
     both signs, infs and NaNs; and a non-finite entry never reaches the memory."""
     shapes = [(64, 33), (1000,), (7,)]
@@ -438,10 +438,15 @@ def test_fused_error_feedback_equals_decode_and_subtract(spec, monkeypatch):
     inner = type(plain.inner)
     monkeypatch.setattr(plain, "inner", plain.inner)  # instance attribute: patch this object only
     monkeypatch.setattr(plain.inner, "subtract_sent_batch", lambda *a: False)
+    monkeypatch.setattr(plain.inner, "compress_subtract_batch", lambda *a: None)
     monkeypatch.setattr(plain.inner, "sent_proves_finite_batch", lambda *a: False)  # always sanitises
     used, proofs = [], []
     orig, proof = inner.subtract_sent_batch, inner.sent_proves_finite_batch
+    orig_cs = inner.compress_subtract_batch
     monkeypatch.setattr(fused.inner, "subtract_sent_batch", lambda *a: used.append(orig(fused.inner, *a)) or used[-1])
+    # the encode and the residual in one pass (1-bit codes, with the C kernels) also counts as fused
+    monkeypatch.setattr(fused.inner, "compress_subtract_batch",
+                        lambda *a: (r := orig_cs(fused.inner, *a)) is not None and used.append(True) or r)
     monkeypatch.setattr(fused.inner, "sent_proves_finite_batch",
                         lambda *a: proofs.append(proof(fused.inner, *a)) or proofs[-1])
     for step in range(3):

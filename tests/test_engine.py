@@ -541,3 +541,38 @@ def _roundtrip(obj) -> io.BytesIO:
     torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+@pytest.mark.parametrize("spec", ["onebit", "topk:ratio=0.1,ef=true", "signsgd"])
+def test_sim_workers_share_one_one_pass_decode(spec, monkeypatch):
+    """sim: the workers gather the same payloads, so one one-pass decode per bucket serves them all
+    (Exchange.adopt), with the same gradients and every worker charged its decode time."""
+    from gradzip.engine.exchange import Exchange
+
+    def train(share: bool):
+        torch.manual_seed(0)
+        model = Net(hidden=64)
+        world = SimWorld(3)
+        engine = attach(model, spec, world, bucket_cap_mb=0.004, min_compress_numel=64)
+        calls = []
+        for w in engine._workers:
+            inner = w.compressor
+            orig = inner.decode_aggregate_batch
+            monkeypatch.setattr(inner, "decode_aggregate_batch",
+                                lambda p, c, orig=orig: calls.append(1) or orig(p, c))
+        if not share:
+            monkeypatch.setattr(Exchange, "adopt", lambda self, other: False)
+        grads = []
+        for step in range(3):
+            stats = run_step(engine, model, data(3, step))
+            grads.append([p.grad.clone() for p in model.parameters()])
+            assert stats.compress_s > 0
+        monkeypatch.undo()
+        return grads, len(calls), len(engine.buckets), engine
+
+    shared, n_shared, nb, eng = train(True)
+    plain, n_plain, _, _ = train(False)
+    assert n_shared >= 3 and n_plain == 3 * n_shared  # per step and bucket: once, against once per worker
+    for a, b in zip(shared, plain):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(t.decode_s > 0 for t in eng.last_timings)

@@ -32,3 +32,6 @@ def test_env_prints_versions_backends_and_hardware(capsys):
         assert "not available" not in lines["mpi library"]
     if not torch.cuda.is_available():
         assert lines["gpu"] == "none"
+    from gradzip.compress import native
+
+    assert lines["native kernels"] == ("in use" if native.lib() is not None else native.status().split(": ", 1)[1])

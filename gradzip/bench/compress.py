@@ -28,6 +28,9 @@ ranks' payloads (the exchange's path: one pass where the compressor has one, els
 rank and the aggregate) against the decode of one payload: ``aggregate_s``, ``decode_s`` and
 their ratio (target for signsgd and onebit at 8 ranks: <= 2x one decode), and beside it the
 general path, a full-size decode per rank then the aggregate (``decode_each_s``).
+
+The header says whether the fused C kernels (:mod:`gradzip.compress.native`) are in use; run with
+``GRADZIP_NATIVE=0`` to time the numpy/torch path they replace (``native_kernels`` in ``--json``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 
 import torch
 
-from gradzip.compress import create, registry
+from gradzip.compress import create, native, registry
 from gradzip.compress.base import Compressor
 from gradzip.errors import GradzipError, SpecError
 
@@ -183,7 +186,8 @@ def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat
         ref, limit = TARGETS[c.name]
         row["target"] = f"<= {limit:g}x {ref}"
         row["meets_target"] = row[f"ratio_to_{ref}"] <= limit
-    row.update(device=str(device), threads=torch.get_num_threads(), repeat=repeat, stat=stat)
+    row.update(device=str(device), threads=torch.get_num_threads(), repeat=repeat, stat=stat,
+               native_kernels=native.lib() is not None)
     return row
 
 
@@ -247,7 +251,8 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int, device: torch.d
 
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.device) -> None:
     print(f"gradzip bench compress: {args.numel} fp32 elements, device {device}, {torch.get_num_threads()} "
-          f"threads, {args.stat} of {args.repeat} after a warm-up, {'with' if args.ef else 'without'} error feedback")
+          f"threads, {args.stat} of {args.repeat} after a warm-up, {'with' if args.ef else 'without'} error feedback; "
+          f"{native.status()}")
     threads = any("speedup_threads" in r for r in rows)
     head = ("compressor", "spec", "payload", "ratio", "time ms", "memcpy ms", "x memcpy", "matmul ms",
             "x matmul", *(["speed-up vs 1 thread"] if threads else []), "target")

@@ -133,9 +133,10 @@ def model_step(compute_s: float, buckets: Sequence[BucketTiming]) -> ModelledSte
     ends: list[float] = []
     spans: list[Span] = []
     for i, b in enumerate(buckets):
-        t = max(t, b.ready_s + engine) + b.compress_s
+        start = max(t, b.ready_s + engine)  # (not t - compress_s: that can round away a tiny start)
+        t = start + b.compress_s
         engine += b.compress_s
-        _add(spans, "compute", "encode", t - b.compress_s, t, i)
+        _add(spans, "compute", "encode", start, t, i)
         r0 = b.rounds_s[0] if b.rounds_s else 0.0
         _add(spans, "link", "round", max(t, link), max(t, link) + r0, i, 0)
         link = max(t, link) + r0

@@ -188,6 +188,22 @@ class Compressor(ABC):
         """:meth:`subtract_sent` for a bucket compressed by the default :meth:`compress_batch`."""
         return isinstance(ctx, _BatchCtx) and self.subtract_sent(payload, ctx.inner, flat)
 
+    def compress_subtract(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any] | None:
+        """Error feedback's encode and residual in one pass: :meth:`compress` ``tensor`` (flat,
+        fp32) and turn it into ``tensor − decompress(payload)`` while reading it (mutates its input
+        into the error buffer). None (the default; nothing touched) when not implemented: error
+        feedback then compresses and calls :meth:`subtract_sent`. An implementation must give the
+        same payload and floats as that path (1-bit codes: a C kernel, see ``native``)."""
+        return None
+
+    def compress_subtract_batch(self, flat: Tensor, shapes: Sequence[torch.Size], key: str = "") \
+            -> tuple[Payload, Any] | None:
+        """:meth:`compress_subtract` for a bucket whose tensors lie back to back in ``flat``."""
+        if type(self).compress_batch is not Compressor.compress_batch:
+            return None
+        out = self.compress_subtract(flat, key)
+        return None if out is None else (out[0], _BatchCtx(out[1], list(shapes)))
+
     #: Error feedback keeps the residual against the *reduced* result this rank decodes (its
     #: :meth:`decompress_batch` output) rather than against its own payload: for multi-round
     #: allreduce compressors whose decode already computes the approximation (PowerSGD's
@@ -216,7 +232,9 @@ class Compressor(ABC):
         """``aggregate([decompress(p, ctx) for p in payloads])`` in one pass, without a full-size
         decode per rank (allgather compressors: the ranks' payloads in rank order). None (the
         default) when not implemented: the exchange then decodes each payload and aggregates.
-        An implementation must give the same floats as that path."""
+        An implementation must give the same floats as that path, and be a pure function of the
+        payloads and ``ctx`` (no state read or changed): ``sim`` workers that gathered the same
+        payloads share one call's result."""
         return None
 
     def decode_aggregate_batch(self, payloads: list[Payload], ctx: Any) -> list[Tensor] | None:

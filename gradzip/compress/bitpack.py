@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradzip.compress import native
+
 # Same-width integer views: the sign bit of a float is the sign of its integer view, and
 # ``bits & MAX`` of the view orders like ``abs()`` of the float (NaN above inf).
 INT_VIEW: dict[torch.dtype, torch.dtype] = {
@@ -108,14 +110,21 @@ def unpack_signs(packed: Tensor, n: int, scale: Tensor | float, dtype: torch.dty
 
 
 def sum_signs(packeds: list[Tensor], n: int, scales: list[Tensor], dtype: torch.dtype,
-              chunk_bytes: int = 1 << 13) -> Tensor:
-    """``Σ_r unpack_signs(packeds[r], n, scales[r], dtype)``, summed in rank order, without a
-    full-size decode per rank: each chunk of 8·``chunk_bytes`` elements is decoded rank after rank
-    into a cache-resident temporary and added, so memory sees one write of the result. The same
-    floats as decoding each rank and adding the tensors in order."""
+              chunk_bytes: int = 1 << 13, divisor: int = 1) -> Tensor:
+    """``Σ_r unpack_signs(packeds[r], n, scales[r], dtype) / divisor``, summed in rank order, without
+    a full-size decode per rank. In fp32 on the CPU one fused kernel reads every rank's byte and
+    writes the result once (:mod:`gradzip.compress.native`); otherwise each chunk of
+    8·``chunk_bytes`` elements is decoded rank after rank into a cache-resident temporary and
+    added. Either way, the same floats as decoding each rank, adding in order and dividing."""
     for p in packeds:
         _check(p, n)
     device = packeds[0].device
+    if dtype == torch.float32 and device.type == "cpu":
+        out = empty(packeds[0].numel() * 8, dtype)
+        # ±scale as the table gives it: the scale's fp32 value, its sign flipped by a 1 bit
+        if native.sum_signs(packeds, [float(torch.as_tensor(s, dtype=torch.float32)) for s in scales],
+                            float(divisor), out):
+            return out[:n]
     tables = [(_SIGN_TABLE.to(device) * torch.as_tensor(s, dtype=torch.float32, device=device)).to(dtype)
               for s in scales]
     out = empty(packeds[0].numel() * 8, dtype, device)
@@ -128,7 +137,7 @@ def sum_signs(packeds: list[Tensor], n: int, scales: list[Tensor], dtype: torch.
         for table, p in zip(tables[1:], packeds[1:]):
             torch.index_select(table, 0, p[start:start + chunk_bytes].to(torch.int32), out=t)
             acc += t
-    return out[:n]
+    return out[:n] if divisor == 1 else out[:n].div_(divisor)
 
 
 def majority_signs(packeds: list[Tensor]) -> tuple[Tensor, Tensor | None]:

@@ -130,11 +130,13 @@ class ErrorFeedback(BucketCompressor):
         # The working buffers become the compensated gradient in place (no per-step allocation)
         # and go back to holding the residual in _update_memory.
         flat, mem = self._working(key, tensors)
-        payload, inner_ctx = self.inner.compress_batch(mem, key)
+        fused = self.inner.compress_subtract_batch(flat, [m.shape for m in mem], key) \
+            if self.inner.rounds == 1 else None
+        payload, inner_ctx = fused if fused is not None else self.inner.compress_batch(mem, key)
         payload = _unalias(payload, mem)
         ctx = _EFCtx(inner_ctx, key, mem, [t.dtype for t in tensors], flat=flat)
         if self.inner.rounds == 1:
-            self._update_memory(payload, ctx)
+            self._update_memory(payload, ctx, subtracted=fused is not None)
         return payload, ctx
 
     @torch.no_grad()
@@ -146,11 +148,14 @@ class ErrorFeedback(BucketCompressor):
             self._update_memory(payload, ctx)
         return payload, ctx
 
-    def _update_memory(self, payload: Payload, ctx: _EFCtx) -> None:
+    def _update_memory(self, payload: Payload, ctx: _EFCtx, subtracted: bool = False) -> None:
         # memory := compensated − transmitted, in place: fused by the compressor when it can (top-k
-        # zeroes the sent entries, sign codes subtract ±scale), else decode and subtract.
+        # zeroes the sent entries, sign codes subtract ±scale, or already did while encoding:
+        # ``subtracted``), else decode and subtract.
         assert ctx.flat is not None
-        if self.residual_from_output:  # payload: the decode of the reduced result (decompress_batch)
+        if subtracted:
+            pass
+        elif self.residual_from_output:  # payload: the decode of the reduced result (decompress_batch)
             self.inner.subtract_output(list(payload), ctx.inner, ctx.compensated)
         elif not self.inner.subtract_sent_batch(payload, ctx.inner, ctx.flat):
             transmitted = self.inner.decompress_batch(payload, ctx.inner)

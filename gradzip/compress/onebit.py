@@ -18,10 +18,12 @@ very different gradient scales share one scale: a smaller ``bucket_cap_mb`` give
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradzip.compress import native
 from gradzip.compress.base import Compressor, Payload, numel_of
 from gradzip.compress.bitpack import mean_abs, pack_signs, packed_numel, sum_signs, unpack_signs
 from gradzip.compress.registry import register
@@ -47,8 +49,17 @@ class SignCode(Compressor):
         if type(self).aggregate is not Compressor.aggregate or type(self).decompress is not SignCode.decompress:
             return None  # signSGD's majority vote aggregates differently
         shape, dtype = ctx
-        out = sum_signs([p[0] for p in payloads], numel_of(shape), [p[1] for p in payloads], dtype)
-        return out.div_(len(payloads)).view(shape)
+        out = sum_signs([p[0] for p in payloads], numel_of(shape), [p[1] for p in payloads], dtype,
+                        divisor=len(payloads))
+        return out.view(shape)
+
+    def compress_subtract(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any] | None:
+        if type(self).compress is not SignCode.compress or not native.usable(tensor, torch.float32):
+            return None
+        # one pass: pack the sign bits and subtract copysign(scale, x) (the C kernel, when built)
+        scale = mean_abs(tensor).reshape(1)
+        packed = native.sign_pack_sub(tensor.reshape(-1), float(scale))
+        return None if packed is None else ((packed, scale), (tensor.shape, tensor.dtype))
 
     def subtract_sent(self, payload: Payload, ctx: tuple[torch.Size, torch.dtype], flat: Tensor) -> bool:
         if type(self).compress is not SignCode.compress or flat.dtype != torch.float32 \

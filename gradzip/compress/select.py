@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradzip.compress import native
 from gradzip.compress.bitpack import INT_VIEW, empty
 
 _CHUNK = 1 << 16  # elements per pass of step 3: the temporaries stay in the L2 cache
@@ -76,7 +77,12 @@ def _topk_torch(iv: Tensor, k: int) -> Tensor:
 
 
 def _at_least(keys: np.ndarray, thr: np.integer, mask: int) -> np.ndarray:
-    """Ascending indices i with ``keys[i] & mask >= thr``, one chunk at a time."""
+    """Ascending indices i with ``keys[i] & mask >= thr``: one fused pass for fp32 keys (the C
+    kernel, see ``native``), else numpy one chunk at a time."""
+    if keys.dtype == np.int32:
+        idx = native.at_least(torch.from_numpy(keys), int(thr))
+        if idx is not None:
+            return idx.numpy()
     tmp = np.empty(min(_CHUNK, keys.size), dtype=keys.dtype)
     hit = np.empty(tmp.size, dtype=np.bool_)
     parts = []

@@ -49,6 +49,7 @@ class Exchange:
         self._ctx = None
         self._handles: list[Handle] = []
         self._result: list[Tensor] | None = None
+        self.shareable_s: float | None = None  # set when the result came from the one-pass decode
 
     # -- phases -------------------------------------------------------------------
     def start(self) -> None:
@@ -70,6 +71,7 @@ class Exchange:
             fused = c.decode_aggregate_batch(per_rank, self._ctx)  # one pass, no decode per rank
             if fused is not None:
                 self._result = fused
+                self.shareable_s = time.perf_counter() - t0
             else:
                 parts = [c.decompress_batch(p, self._ctx) for p in per_rank]
                 self._result = [c.aggregate([part[i] for part in parts]) for i in range(len(self.tensors))]
@@ -86,6 +88,19 @@ class Exchange:
         self.round += 1
         self._launch(payload)
         return False
+
+    def adopt(self, other: Exchange) -> bool:
+        """``sim`` only: finish this worker's last round with ``other``'s result, which a worker that
+        received the same payloads decoded in one pass (a pure function of the payloads, see
+        :meth:`Compressor.decode_aggregate`), and charge its decode time to this worker. False
+        (nothing done) when ``other`` took no shareable path or this exchange is not at that round."""
+        if type(self) is not Exchange or type(other) is not Exchange or other.shareable_s is None \
+                or self._result is not None or self.round != self.compressor.rounds - 1:
+            return False
+        self._wait_all()  # the round's modelled link time
+        self._result = other.result()
+        self.compress_s += other.shareable_s
+        return True
 
     def result(self) -> list[Tensor]:
         if self._result is None:

@@ -1,0 +1,194 @@
+"""Fused CPU kernels in C, compiled on first use (``_kernels.c``), with the numpy/torch path as fallback.
+
+Why: error feedback and aggregation are memory-bound chains of element-wise passes. numpy and torch
+run each pass at memory speed but cannot fuse them, and ``torch.compile`` on the CPU was measured
+slower than the eager path on these chains (BENCHMARKS.md). One C loop does in one pass what took
+two to four:
+
+- :func:`sign_pack_sub`: pack the sign bits and subtract ``copysign(scale, x)`` (1-bit EF);
+- :func:`sum_signs`: the mean of n ranks' ``±scale`` codes, without a decode per rank;
+- :func:`at_least`: top-k's candidate filter (the indices whose magnitude reaches a threshold).
+
+Every kernel gives the same floats as the path it replaces (tests/test_native.py checks it bit for
+bit), so results never depend on whether the kernels are in use.
+
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -shared -fPIC``, once per source and CPU, into
+the gradzip cache (``$GRADZIP_CACHE``, else ``$XDG_CACHE_HOME/gradzip``, else ``~/.cache/gradzip``)
+under ``native/``. The library is written to a temporary file and renamed, so ranks that start at
+once never load a half-written file. With no compiler, a failed build or ``GRADZIP_NATIVE=0``,
+:func:`lib` is None and the callers keep their numpy/torch path; :func:`status` says which and why
+(``gradzip bench compress`` prints it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_SOURCE = Path(__file__).with_name("_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-strict-aliasing"]
+_lib: ctypes.CDLL | None = None
+_why = "not loaded yet"
+_tried = False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("GRADZIP_CACHE"):
+        return Path(os.environ["GRADZIP_CACHE"]) / "native"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "gradzip" / "native"
+    return Path.home() / ".cache" / "gradzip" / "native"
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and feature flags (Linux), else the machine."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        return "\n".join(sorted({ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
+    src = _SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"kernels-{tag}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".kernels-", suffix=".so")
+        os.close(fd)
+        try:
+            res = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
+            if res.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1:] or res.returncode}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(out))
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.gz_sign_pack_sub.argtypes = [ptr, i64, f32, ptr, ctypes.c_int]
+    lib.gz_sign_pack_sub.restype = None
+    lib.gz_sum_signs.argtypes = [ptr, ptr, i64, i64, f32, ptr]
+    lib.gz_sum_signs.restype = None
+    lib.gz_at_least.argtypes = [ptr, i64, ctypes.c_int32, ptr]
+    lib.gz_at_least.restype = i64
+    return lib
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernels, built on the first call; None when disabled or unavailable (see :func:`status`)."""
+    global _lib, _why, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("GRADZIP_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+            _why = "disabled by GRADZIP_NATIVE=0"
+        else:
+            try:
+                _lib, _why = _build(), "in use"
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _why = f"unavailable ({e}); using the numpy/torch path"
+    return _lib
+
+
+def status() -> str:
+    """One line: whether the fused kernels are in use, and if not, why."""
+    lib()
+    return f"native kernels: {_why}"
+
+
+def reset() -> None:
+    """Forget the loaded library, so the next :func:`lib` call looks again (tests: GRADZIP_NATIVE)."""
+    global _lib, _why, _tried
+    _lib, _why, _tried = None, "not loaded yet", False
+
+
+def usable(t: Tensor, dtype: torch.dtype) -> bool:
+    """The kernels are loaded and take ``t``: a contiguous CPU tensor of ``dtype``."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and lib() is not None
+
+
+def _parts(n: int, align: int) -> list[tuple[int, int]]:
+    """[start, end) ranges, one per intra-op thread (``torch.get_num_threads()``), cut at multiples of
+    ``align``; one range for small ``n``, where starting threads would cost more than they save."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or n < PARALLEL_MIN:
+        return [(0, n)]
+    step = -(-n // threads // align) * align
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _run(parts: list[tuple[int, int]], fn: Callable[[int, int], Any]) -> list[Any]:
+    """``fn`` on every range, on the pool's threads (ctypes releases the GIL during each call)."""
+    global _pool
+    if len(parts) == 1:
+        return [fn(*parts[0])]
+    if _pool is None or _pool._max_workers < len(parts):
+        _pool = ThreadPoolExecutor(len(parts), thread_name_prefix="gradzip-native")
+    return list(_pool.map(lambda ab: fn(*ab), parts))
+
+
+PARALLEL_MIN = 1 << 20  # elements below which the kernels run on the calling thread only
+_pool: ThreadPoolExecutor | None = None
+
+
+def sign_pack_sub(x: Tensor, scale: float | None) -> Tensor | None:
+    """Packed sign bits of the flat fp32 CPU tensor ``x``; with a ``scale``, also ``x -= copysign(scale, x)``
+    in the same pass (mutates ``x`` into error feedback's residual). None when the kernels are unavailable."""
+    k = lib()
+    if k is None or not usable(x, torch.float32):
+        return None
+    n = x.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    xp, op, sc, sub = x.data_ptr(), out.data_ptr(), 0.0 if scale is None else scale, int(scale is not None)
+    _run(_parts(n, 64), lambda a, b: k.gz_sign_pack_sub(xp + 4 * a, b - a, sc, op + a // 8, sub))
+    return out
+
+
+def sum_signs(packeds: list[Tensor], scales: list[float], divisor: float, out: Tensor) -> bool:
+    """``out[:8·bytes] = Σ_r ±scales[r] / divisor`` over the ranks' packed sign codes, in rank order
+    (``out``: fp32, room for whole bytes). False (nothing written) when the kernels are unavailable."""
+    k = lib()
+    if k is None or not usable(out, torch.float32) or not all(usable(p, torch.uint8) for p in packeds):
+        return False
+    ptrs = [p.data_ptr() for p in packeds]
+    vals = (ctypes.c_float * len(scales))(*scales)
+    op = out.data_ptr()
+
+    def part(a: int, b: int) -> None:  # bytes [a, b)
+        k.gz_sum_signs((ctypes.c_void_p * len(ptrs))(*[q + a for q in ptrs]), vals, len(ptrs), b - a, divisor,
+                       op + 32 * a)
+
+    nbytes = packeds[0].numel()
+    _run([(a // 8, min(b // 8, nbytes)) for a, b in _parts(8 * nbytes, 64)], part)
+    return True
+
+
+def at_least(keys: Tensor, thr: int) -> Tensor | None:
+    """Ascending int32 indices i with ``keys[i] & 0x7fffffff >= thr`` (int32 keys). None when unavailable."""
+    k = lib()
+    if k is None or not usable(keys, torch.int32):
+        return None
+    idx = torch.empty(keys.numel(), dtype=torch.int32)  # untouched pages cost nothing: ~1.5 k are written
+    kp, ip = keys.data_ptr(), idx.data_ptr()
+    parts = _parts(keys.numel(), 64)
+    counts = _run(parts, lambda a, b: k.gz_at_least(kp + 4 * a, b - a, int(thr), ip + 4 * a))
+    if len(parts) == 1:
+        return idx[:counts[0]].clone()
+    # each range's indices are relative to its start, and written at its start
+    return torch.cat([idx[a:a + c] + a for (a, _), c in zip(parts, counts)])

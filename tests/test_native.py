@@ -1,0 +1,180 @@
+"""The fused C kernels (gradzip.compress.native) give the same bits as the numpy/torch path they
+replace, and gradzip falls back to that path, saying why, when they cannot be built."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradzip.compress import create, native
+from gradzip.compress.bitpack import pack_signs, sum_signs
+from gradzip.compress.select import _at_least, topk_indices
+
+needs_kernels = pytest.mark.skipif(native.lib() is None, reason=native.status())
+
+
+@contextlib.contextmanager
+def numpy_path() -> Iterator[None]:
+    """Run the block with the kernels switched off (as GRADZIP_NATIVE=0 does)."""
+    saved = native._lib, native._why, native._tried
+    native._lib, native._why, native._tried = None, "off for this test", True
+    try:
+        yield
+    finally:
+        native._lib, native._why, native._tried = saved
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.numpy().view(np.uint32 if t.dtype == torch.float32 else np.uint8)
+
+
+def awkward(n: int, seed: int) -> torch.Tensor:
+    """Random floats with ±0, ±inf, NaN and subnormals mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40])
+    pos = torch.randint(0, max(n, 1), (min(n, 7),), generator=g)
+    x[pos] = special[:pos.numel()]
+    return x
+
+
+@needs_kernels
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 200), seed=st.integers(0, 2**16), scale=st.floats(0, 10, width=32))
+def test_sign_pack_sub_is_pack_then_subtract_bit_for_bit(n, seed, scale):
+    x = awkward(n, seed)
+    ref = x.clone()
+    ref_packed = pack_signs(ref)
+    ref.sub_(torch.copysign(torch.tensor(scale), ref))
+    packed = native.sign_pack_sub(x, scale)
+    assert packed is not None and torch.equal(packed, ref_packed)
+    assert (bits(x) == bits(ref)).all()
+    # without a scale, it only packs
+    y = awkward(n, seed)
+    assert torch.equal(native.sign_pack_sub(y, None), ref_packed) and (bits(y) == bits(awkward(n, seed))).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,ranks", [(1, 1), (13, 3), (4096 + 5, 8), (1 << 17, 4)])
+def test_sum_signs_kernel_matches_the_table_path(n, ranks):
+    g = torch.Generator().manual_seed(n)
+    packeds = [pack_signs(torch.randn(n, generator=g)) for _ in range(ranks)]
+    scales = [torch.rand(1, generator=g) * 3 for _ in range(ranks)]
+    scales[0] = torch.zeros(1)  # a zero scale gives ±0
+    for divisor in (1, ranks):
+        got = sum_signs(packeds, n, scales, torch.float32, divisor=divisor)
+        with numpy_path():
+            ref = sum_signs(packeds, n, scales, torch.float32, divisor=divisor)
+        assert (bits(got) == bits(ref)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [7, 1000, (1 << 16) + 3])
+def test_at_least_kernel_matches_numpy(n):
+    x = awkward(n, n)
+    keys = x.view(torch.int32).numpy()
+    for thr in (0, int(keys[0] & 0x7fffffff), 0x3f800000, 0x7f800000, 0x7fffffff):
+        got = _at_least(keys, np.int32(thr), 0x7fffffff)
+        with numpy_path():
+            ref = _at_least(keys, np.int32(thr), 0x7fffffff)
+        assert np.array_equal(got, ref)
+    with numpy_path():
+        ref = topk_indices(x, n // 100 + 1)
+    assert torch.equal(topk_indices(x, n // 100 + 1), ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("spec", ["onebit", "topk:ratio=0.01,ef=true", "signsgd:ef=true"])
+def test_error_feedback_is_the_same_with_and_without_kernels(spec):
+    """Payloads, decodes and residuals over several steps, with a non-finite step in between."""
+    def run() -> list[torch.Tensor]:
+        comp = create(spec)
+        g = torch.Generator().manual_seed(3)
+        seen = []
+        for step in range(4):
+            grads = [torch.randn(300, 7, generator=g), torch.randn(1000, generator=g)]
+            if step == 2:
+                grads[1][5] = float("inf")
+            payload, ctx = comp.compress_batch(grads, "b")
+            seen += [t for t in payload if isinstance(t, torch.Tensor)]
+            seen += comp.decompress_batch(payload, ctx)
+            seen += [r.clone() for r in comp.residuals("b")]
+            agg = comp.decode_aggregate_batch([payload, payload], ctx)
+            seen += agg or []
+        return seen
+
+    fast = run()
+    with numpy_path():
+        ref = run()
+    assert len(fast) == len(ref)
+    for a, b in zip(fast, ref):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert all(torch.isfinite(r).all() for r in fast[-3:])
+
+
+def test_disabled_and_unbuildable_kernels_fall_back_and_say_why(monkeypatch, tmp_path):
+    saved = native._lib, native._why, native._tried
+    try:
+        monkeypatch.setenv("GRADZIP_NATIVE", "0")
+        native.reset()
+        assert native.lib() is None and "disabled by GRADZIP_NATIVE=0" in native.status()
+        monkeypatch.delenv("GRADZIP_NATIVE")
+        monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path))  # nothing cached there
+        monkeypatch.setenv("CC", "no-such-cc")
+        native.reset()
+        assert native.lib() is None and "no C compiler ('no-such-cc'" in native.status()
+        assert not list(tmp_path.rglob("*.so"))
+        # the callers keep working on the numpy/torch path
+        x = torch.randn(100)
+        payload, ctx = create("onebit").compress_batch([x], "k")
+        assert payload[0].numel() == 13
+    finally:
+        native._lib, native._why, native._tried = saved
+
+
+@pytest.mark.skipif(native.lib() is None, reason=native.status())
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    saved = native._lib, native._why, native._tried
+    try:
+        monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path))
+        native.reset()
+        assert native.lib() is not None
+        built = list((tmp_path / "native").glob("kernels-*.so"))
+        assert len(built) == 1 and not list((tmp_path / "native").glob(".kernels-*"))  # no temp left
+        mtime = built[0].stat().st_mtime_ns
+        native.reset()
+        assert native.lib() is not None and built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    finally:
+        native._lib, native._why, native._tried = saved
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 63, 64 * 3 + 5, 100_003])
+def test_kernels_split_over_threads_give_the_same_bits(n, monkeypatch):
+    """With several intra-op threads each kernel runs on ranges in parallel: the same results."""
+    def all_three() -> list[torch.Tensor]:
+        x = awkward(n, 7)
+        packed = native.sign_pack_sub(x, 0.5)
+        out = torch.empty(8 * packed.numel())
+        assert native.sum_signs([packed, pack_signs(awkward(n, 8))], [0.5, 2.0], 2.0, out)
+        idx = native.at_least(awkward(n, 9).view(torch.int32), 0x3f000000)
+        return [x, packed, out, idx]
+
+    one = all_three()
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(native, "PARALLEL_MIN", 8)
+    try:
+        torch.set_num_threads(3)
+        parts = native._parts(n, 64)
+        assert len(parts) <= 3 and (len(parts) > 1) == (n > 64) and parts[-1][1] == n
+        many = all_three()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, many):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
