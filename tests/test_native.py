@@ -61,7 +61,7 @@ def test_sign_pack_sub_is_pack_then_subtract_bit_for_bit(n, seed, scale):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n,ranks", [(1, 1), (13, 3), (4096 + 5, 8), (1 << 17, 4)])
+@pytest.mark.parametrize("n,ranks", [(1, 1), (13, 3), (4096 + 5, 8), (1 << 17, 4), (40_000 + 3, 6), (999, 9)])
 def test_sum_signs_kernel_matches_the_table_path(n, ranks):
     g = torch.Generator().manual_seed(n)
     packeds = [pack_signs(torch.randn(n, generator=g)) for _ in range(ranks)]
@@ -178,3 +178,45 @@ def test_kernels_split_over_threads_give_the_same_bits(n, monkeypatch):
         torch.set_num_threads(threads)
     for a, b in zip(one, many):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@needs_kernels
+@pytest.mark.parametrize("scale", [0.0, 0.37, 3e38, float("inf")])
+def test_decode_kernel_matches_the_table_path(scale):
+    from gradzip.compress.bitpack import unpack_signs
+
+    packed = pack_signs(awkward(1003, 5))
+    got = unpack_signs(packed, 1003, torch.tensor(scale), torch.float32)
+    with numpy_path():
+        ref = unpack_signs(packed, 1003, torch.tensor(scale), torch.float32)
+    assert got.shape == (1003,) and (bits(got) == bits(ref)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("ranks", [3, 4, 8])
+def test_majority_vote_decode_kernel_matches_the_table_path(ranks):
+    from gradzip.compress.bitpack import majority_signs, unpack_votes
+
+    g = torch.Generator().manual_seed(ranks)
+    negative, tie = majority_signs([pack_signs(torch.randn(2001, generator=g)) for _ in range(ranks)])
+    got = unpack_votes(negative, tie, 2001, torch.tensor(0.25), torch.float32)
+    with numpy_path():
+        ref = unpack_votes(negative, tie, 2001, torch.tensor(0.25), torch.float32)
+    assert got.shape == (2001,) and (bits(got) == bits(ref)).all()
+    assert (tie is None) == (ranks % 2 == 1) and (ranks % 2 == 1 or (got == 0).any())
+
+
+@needs_kernels
+@pytest.mark.parametrize("ranks", [1, 2, 7, 8])
+def test_vote_counted_and_decoded_in_one_pass_matches_majority_signs(ranks):
+    from gradzip.compress.bitpack import majority_signs, unpack_votes
+
+    g = torch.Generator().manual_seed(ranks)
+    n = 5 * 2048 * 8 + 13  # several blocks and a ragged end
+    packeds = [pack_signs(torch.randn(n, generator=g)) for _ in range(ranks)]
+    out = torch.empty(8 * packeds[0].numel())
+    assert native.majority_decode(packeds, 0.75, out)
+    with numpy_path():
+        ref = unpack_votes(*majority_signs(packeds), n, torch.tensor(0.75), torch.float32)
+    assert (bits(out[:n]) == bits(ref)).all()
+    assert not native.majority_decode(packeds * 256, 0.75, torch.empty(8 * packeds[0].numel()))  # too many

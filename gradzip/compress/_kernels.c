@@ -6,12 +6,19 @@
  * No FMA contraction is possible: the kernels only add, subtract and divide.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
 #define SIGN 0x80000000u
+#ifndef SUM_BLOCK
+#define SUM_BLOCK 2048 /* bytes: 16 Ki elements, 64 KiB of partial sums */
+#endif
+#ifndef GROUP
+#define GROUP 4
+#endif
 
 static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -46,39 +53,132 @@ void gz_sign_pack_sub(float *x, int64_t n, float scale, uint8_t *out, int sub)
 
 /* out[i] = (sum over r in rank order of (bit i of packed[r] ? -scales[r] : scales[r])) / divisor,
  * for i < 8 * nbytes (out has room for whole bytes). The first rank's value is the start of the
- * sum, as decoding rank 0 and adding the others in order gives; divisor 1 skips the division. */
-void gz_sum_signs(const uint8_t *const *packed, const float *scales, int64_t ranks, int64_t nbytes,
-                  float divisor, float *out)
+ * sum, as decoding rank 0 and adding the others in order gives; divisor 1 skips the division.
+ * Each rank's 256 possible bytes are a table of 8 floats (8 KiB, cache-resident), so every
+ * element costs one load and one add per rank. Returns 0 (nothing written) if out of memory. */
+int gz_sum_signs(const uint8_t *const *packed, const float *scales, int64_t ranks, int64_t nbytes,
+                 float divisor, float *out)
 {
-    int64_t b = 0;
     int div = divisor != 1.0f;
+    float *tables = malloc((size_t)ranks * 256 * 8 * sizeof(float));
+    if (!tables)
+        return 0;  /* nothing written: the caller takes its other path */
+    for (int64_t r = 0; r < ranks; r++)
+        for (int b = 0; b < 256; b++)
+            for (int j = 0; j < 8; j++)
+                tables[(r * 256 + b) * 8 + j] = float_of(bits_of(scales[r]) ^ (((uint32_t)(b >> j) & 1u) << 31));
+    /* Blocks of SUM_BLOCK bytes, ranks GROUP at a time: the block's partial sums stay in cache
+     * between groups, and only GROUP input streams and tables are live at once (more streams at
+     * the same page offsets thrash the L1's sets). Each element's additions keep rank order. */
+    for (int64_t b0 = 0; b0 < nbytes; b0 += SUM_BLOCK) {
+        int64_t b1 = b0 + SUM_BLOCK < nbytes ? b0 + SUM_BLOCK : nbytes;
+        for (int64_t r0 = 0; r0 < ranks; r0 += GROUP) {
+            int64_t r1 = r0 + GROUP < ranks ? r0 + GROUP : ranks;
+            int last = r1 == ranks;
+            int64_t b = b0;
+#ifdef __AVX2__
+            const __m256 vdiv = _mm256_set1_ps(divisor);
+            const uint8_t *p[GROUP];
+            for (int64_t r = r0; r < r1; r++)
+                p[r - r0] = packed[r];
+            for (; b + 4 <= b1; b += 4) {  /* 4 bytes (32 elements) per step: independent sums */
+                __m256 acc[4];
+                for (int u = 0; u < 4; u++)
+                    acc[u] = r0 == 0 ? _mm256_loadu_ps(tables + p[0][b + u] * 8) : _mm256_loadu_ps(out + 8 * (b + u));
+                for (int64_t r = r0 == 0 ? 1 : r0; r < r1; r++) {
+                    const float *t = tables + r * 256 * 8;
+                    for (int u = 0; u < 4; u++)
+                        acc[u] = _mm256_add_ps(acc[u], _mm256_loadu_ps(t + p[r - r0][b + u] * 8));
+                }
+                for (int u = 0; u < 4; u++)
+                    _mm256_storeu_ps(out + 8 * (b + u), last && div ? _mm256_div_ps(acc[u], vdiv) : acc[u]);
+            }
+#endif
+            for (; b < b1; b++)
+                for (int j = 0; j < 8; j++) {
+                    float acc = r0 == 0 ? tables[packed[0][b] * 8 + j] : out[8 * b + j];
+                    for (int64_t r = r0 == 0 ? 1 : r0; r < r1; r++)
+                        acc = acc + tables[(r * 256 + packed[r][b]) * 8 + j];
+                    out[8 * b + j] = last && div ? acc / divisor : acc;
+                }
+        }
+    }
+    free(tables);
+    return 1;
+}
+
+/* A majority vote's decode: out[i] = +0 where bit i of tie is set, else (bit i of negative ?
+ * -scale : scale), for i < 8 * nbytes; tie may be NULL (an odd number of ranks: no ties). */
+void gz_unpack_votes(const uint8_t *negative, const uint8_t *tie, int64_t nbytes, float scale, float *out)
+{
+    float table[256 * 8];
+    for (int b = 0; b < 256; b++)
+        for (int j = 0; j < 8; j++)
+            table[b * 8 + j] = float_of(bits_of(scale) ^ (((uint32_t)(b >> j) & 1u) << 31));
+    int64_t b = 0;
 #ifdef __AVX2__
     const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i sign = _mm256_set1_epi32((int)SIGN);
-    const __m256 vdiv = _mm256_set1_ps(divisor);
     for (; b < nbytes; b++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t r = 0; r < ranks; r++) {
-            __m256i byte = _mm256_set1_epi32(packed[r][b]);
-            __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lanes), lanes);
-            __m256i v = _mm256_xor_si256(_mm256_set1_epi32((int)bits_of(scales[r])), _mm256_and_si256(neg, sign));
-            acc = r == 0 ? _mm256_castsi256_ps(v) : _mm256_add_ps(acc, _mm256_castsi256_ps(v));
+        __m256 v = _mm256_loadu_ps(table + negative[b] * 8);
+        if (tie && tie[b]) {
+            __m256i t = _mm256_set1_epi32(tie[b]);
+            __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(t, lanes), lanes);
+            v = _mm256_andnot_ps(_mm256_castsi256_ps(m), v);
         }
-        if (div)
-            acc = _mm256_div_ps(acc, vdiv);
-        _mm256_storeu_ps(out + 8 * b, acc);
+        _mm256_storeu_ps(out + 8 * b, v);
     }
 #endif
-    for (; b < nbytes; b++) {
-        for (int j = 0; j < 8; j++) {
-            float acc = 0.0f;
-            for (int64_t r = 0; r < ranks; r++) {
-                uint32_t v = bits_of(scales[r]) ^ (((packed[r][b] >> j) & 1u) << 31);
-                acc = r == 0 ? float_of(v) : acc + float_of(v);
-            }
-            out[8 * b + j] = div ? acc / divisor : acc;
-        }
+    for (; b < nbytes; b++)
+        for (int j = 0; j < 8; j++)
+            out[8 * b + j] = tie && ((tie[b] >> j) & 1) ? 0.0f : table[negative[b] * 8 + j];
+}
+
+/* signSGD's majority vote of ranks (< 256) packed sign codes, decoded: out[i] = -scale where more
+ * than ranks/2 voted negative, +0 where exactly half did (even ranks), else scale; i < 8 * nbytes.
+ * The votes of a byte's 8 elements are counted in the 8 lanes of one 64-bit integer: each rank
+ * adds the table entry of its byte, whose lane j is bit j. Returns 0 (nothing written) for too
+ * many ranks. */
+int gz_majority_decode(const uint8_t *const *packed, int64_t ranks, int64_t nbytes, float scale, float *out)
+{
+    if (ranks < 1 || ranks > 255)
+        return 0;
+    uint64_t lanes[256];
+    for (int b = 0; b < 256; b++) {
+        lanes[b] = 0;
+        for (int j = 0; j < 8; j++)
+            lanes[b] |= (uint64_t)((b >> j) & 1) << (8 * j);
     }
+    const int half = (int)(ranks / 2), even = ranks % 2 == 0;
+    const uint32_t s = bits_of(scale);
+    for (int64_t b0 = 0; b0 < nbytes; b0 += SUM_BLOCK) {
+        int64_t b1 = b0 + SUM_BLOCK < nbytes ? b0 + SUM_BLOCK : nbytes;
+        uint64_t count[SUM_BLOCK];
+        for (int64_t b = b0; b < b1; b++)
+            count[b - b0] = lanes[packed[0][b]];
+        for (int64_t r = 1; r < ranks; r++) {  /* one rank at a time: one input stream */
+            const uint8_t *p = packed[r];
+            for (int64_t b = b0; b < b1; b++)
+                count[b - b0] += lanes[p[b]];
+        }
+        int64_t b = b0;
+#ifdef __AVX2__
+        const __m256i vhalf = _mm256_set1_epi32(half), vsign = _mm256_set1_epi32((int)SIGN);
+        const __m256i vs = _mm256_set1_epi32((int)s);
+        for (; b < b1; b++) {
+            __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)count[b - b0]));
+            __m256i v = _mm256_xor_si256(vs, _mm256_and_si256(_mm256_cmpgt_epi32(c, vhalf), vsign));
+            if (even)
+                v = _mm256_andnot_si256(_mm256_cmpeq_epi32(c, vhalf), v);
+            _mm256_storeu_si256((__m256i *)(out + 8 * b), v);
+        }
+#endif
+        for (; b < b1; b++)
+            for (int j = 0; j < 8; j++) {
+                int c = (int)((count[b - b0] >> (8 * j)) & 0xff);
+                out[8 * b + j] = even && c == half ? 0.0f : float_of(s ^ (c > half ? SIGN : 0u));
+            }
+    }
+    return 1;
 }
 
 /* The ascending indices i < n with (keys[i] & 0x7fffffff) >= thr, written to idx; returns their

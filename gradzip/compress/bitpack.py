@@ -100,9 +100,14 @@ _PACK_CHUNK = 1 << 18  # elements per step of pack_signs (a multiple of 8): a 25
 def unpack_signs(packed: Tensor, n: int, scale: Tensor | float, dtype: torch.dtype) -> Tensor:
     """Decode :func:`pack_signs`: a 1-D tensor of ``n`` values ``±scale`` (bit 0: +scale) in ``dtype``.
 
-    Each byte selects a row of a 256 x 8 table of ±scale, so decoding is one gather of 8-value rows.
+    Each byte selects a row of a 256 x 8 table of ±scale, so decoding is one gather of 8-value rows;
+    in fp32 on the CPU the fused kernel writes the same values straight from the bits.
     """
     _check(packed, n)
+    if dtype == torch.float32 and packed.device.type == "cpu":
+        out = empty(packed.numel() * 8, dtype)
+        if native.sum_signs([packed], [float(torch.as_tensor(scale, dtype=torch.float32))], 1.0, out):
+            return out[:n]
     table = (_SIGN_TABLE.to(packed.device) * torch.as_tensor(scale, dtype=torch.float32, device=packed.device))
     out = empty(packed.numel() * 8, dtype, packed.device)
     torch.index_select(table.to(dtype), 0, packed.to(torch.int32), out=out.view(-1, 8))
@@ -174,6 +179,10 @@ def unpack_votes(negative: Tensor, tie: Tensor | None, n: int, scale: Tensor | f
     if tie is None:
         return unpack_signs(negative, n, scale, dtype)
     _check(negative, n)
+    if dtype == torch.float32 and negative.device.type == "cpu":
+        out = empty(negative.numel() * 8, dtype)
+        if native.unpack_votes(negative, tie, float(torch.as_tensor(scale, dtype=torch.float32)), out):
+            return out[:n]
     device = negative.device
     bits = ((torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1).bool()
     signs = (1.0 - 2.0 * bits.float()) * torch.as_tensor(scale, dtype=torch.float32, device=device)  # by negative byte

@@ -7,7 +7,9 @@ two to four:
 
 - :func:`sign_pack_sub`: pack the sign bits and subtract ``copysign(scale, x)`` (1-bit EF);
 - :func:`sum_signs`: the mean of n ranks' ``±scale`` codes, without a decode per rank;
-- :func:`at_least`: top-k's candidate filter (the indices whose magnitude reaches a threshold).
+- :func:`at_least`: top-k's candidate filter (the indices whose magnitude reaches a threshold);
+- :func:`unpack_votes` and :func:`majority_decode`: ``signsgd``'s majority vote, counted and decoded
+  straight from the packed bits.
 
 Every kernel gives the same floats as the path it replaces (tests/test_native.py checks it bit for
 bit), so results never depend on whether the kernels are in use.
@@ -38,7 +40,7 @@ import torch
 from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-strict-aliasing"]
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off"]
 _lib: ctypes.CDLL | None = None
 _why = "not loaded yet"
 _tried = False
@@ -85,7 +87,11 @@ def _build() -> ctypes.CDLL:
     lib.gz_sign_pack_sub.argtypes = [ptr, i64, f32, ptr, ctypes.c_int]
     lib.gz_sign_pack_sub.restype = None
     lib.gz_sum_signs.argtypes = [ptr, ptr, i64, i64, f32, ptr]
-    lib.gz_sum_signs.restype = None
+    lib.gz_sum_signs.restype = ctypes.c_int
+    lib.gz_unpack_votes.argtypes = [ptr, ptr, i64, f32, ptr]
+    lib.gz_unpack_votes.restype = None
+    lib.gz_majority_decode.argtypes = [ptr, i64, i64, f32, ptr]
+    lib.gz_majority_decode.restype = ctypes.c_int
     lib.gz_at_least.argtypes = [ptr, i64, ctypes.c_int32, ptr]
     lib.gz_at_least.restype = i64
     return lib
@@ -170,12 +176,45 @@ def sum_signs(packeds: list[Tensor], scales: list[float], divisor: float, out: T
     vals = (ctypes.c_float * len(scales))(*scales)
     op = out.data_ptr()
 
-    def part(a: int, b: int) -> None:  # bytes [a, b)
-        k.gz_sum_signs((ctypes.c_void_p * len(ptrs))(*[q + a for q in ptrs]), vals, len(ptrs), b - a, divisor,
-                       op + 32 * a)
+    def part(a: int, b: int) -> int:  # bytes [a, b)
+        return k.gz_sum_signs((ctypes.c_void_p * len(ptrs))(*[q + a for q in ptrs]), vals, len(ptrs), b - a,
+                              divisor, op + 32 * a)
 
     nbytes = packeds[0].numel()
-    _run([(a // 8, min(b // 8, nbytes)) for a, b in _parts(8 * nbytes, 64)], part)
+    return all(_run(_byte_parts(nbytes), part))
+
+
+def majority_decode(packeds: list[Tensor], scale: float, out: Tensor) -> bool:
+    """signSGD's vote decoded in one pass: ``out[:8·bytes]`` is ``-scale`` where more than half the
+    ranks' sign codes are negative, +0 where exactly half are, else ``scale``. False (nothing
+    written) when the kernels are unavailable or there are 256 ranks or more."""
+    k = lib()
+    if k is None or not usable(out, torch.float32) or not all(usable(p, torch.uint8) for p in packeds):
+        return False
+    ptrs, op = [p.data_ptr() for p in packeds], out.data_ptr()
+
+    def part(a: int, b: int) -> int:
+        return k.gz_majority_decode((ctypes.c_void_p * len(ptrs))(*[q + a for q in ptrs]), len(ptrs), b - a,
+                                    scale, op + 32 * a)
+
+    return all(_run(_byte_parts(packeds[0].numel()), part))
+
+
+def _byte_parts(nbytes: int) -> list[tuple[int, int]]:
+    """:func:`_parts` of packed bytes, each standing for 8 elements."""
+    return [(a // 8, min(b // 8, nbytes)) for a, b in _parts(8 * nbytes, 64)]
+
+
+def unpack_votes(negative: Tensor, tie: Tensor | None, scale: float, out: Tensor) -> bool:
+    """``out[:8·bytes]``: +0 where ``tie``, else ``-scale`` where ``negative``, else ``scale`` (packed
+    bits; ``tie`` None: no ties). False (nothing written) when the kernels are unavailable."""
+    k = lib()
+    if k is None or not usable(out, torch.float32) or not usable(negative, torch.uint8) \
+            or (tie is not None and not usable(tie, torch.uint8)):
+        return False
+    np_, tp, op = negative.data_ptr(), None if tie is None else tie.data_ptr(), out.data_ptr()
+    _run(_byte_parts(negative.numel()),
+         lambda a, b: k.gz_unpack_votes(np_ + a, None if tp is None else tp + a, b - a, scale, op + 32 * a))
     return True
 
 
