@@ -220,3 +220,29 @@ def test_vote_counted_and_decoded_in_one_pass_matches_majority_signs(ranks):
         ref = unpack_votes(*majority_signs(packeds), n, torch.tensor(0.75), torch.float32)
     assert (bits(out[:n]) == bits(ref)).all()
     assert not native.majority_decode(packeds * 256, 0.75, torch.empty(8 * packeds[0].numel()))  # too many
+
+
+def _kernel_in_child(q) -> None:
+    q.put(bool(native.sign_pack_sub(torch.ones(1000), 1.0) is not None))
+
+
+@needs_kernels
+@pytest.mark.timeout(60)
+def test_a_forked_child_runs_the_threaded_kernels(monkeypatch):
+    """The parent's thread pool does not survive fork: the child starts its own instead of hanging."""
+    import multiprocessing as mp
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(native, "PARALLEL_MIN", 8)
+    try:
+        torch.set_num_threads(2)
+        native.sign_pack_sub(torch.ones(1000), 1.0)  # the parent's pool exists now
+        assert native._pool is not None
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_kernel_in_child, args=(q,))
+        p.start()
+        p.join(30)
+        assert p.exitcode == 0 and q.get(timeout=5) is True
+    finally:
+        torch.set_num_threads(threads)

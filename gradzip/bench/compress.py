@@ -20,8 +20,8 @@ the hidden size is scaled down). PowerSGD is also compared with its own matmuls,
 batched ``P = M Q``, ``Q = Mᵀ P`` and ``M̂ = P Qᵀ`` on contiguous stacks of the same shapes.
 
 Compressors are measured bare (no error feedback) unless ``--ef`` is given. Targets (benchmark
-results, not tests): fp16/bf16 <= 2x memcpy, onebit <= 4x, topk at 1% <= 10x, PowerSGD rank 4 <=
-1.5x its matmuls.
+results, not tests): fp16/bf16 <= 2x memcpy, onebit <= 4x, topk at 1% <= 10x (<= 5x with ``--ef``),
+PowerSGD rank 4 <= 1.5x its matmuls.
 
 ``--aggregate N`` also times, for the allgather compressors, what every rank does with the N
 ranks' payloads (the exchange's path: one pass where the compressor has one, else a decode per
@@ -54,6 +54,8 @@ PARAMS = {"topk": "ratio=0.01", "randomk": "ratio=0.01", "powersgd": "rank=4"}
 # name -> (reference, max ratio to it)
 TARGETS = {"fp16": ("memcpy", 2.0), "bf16": ("memcpy", 2.0), "onebit": ("memcpy", 4.0),
            "topk": ("memcpy", 10.0), "powersgd": ("matmul", 1.5)}
+# with error feedback (issue 11): top-k's is tighter than its bare target
+TARGETS_EF = {"topk": ("memcpy", 5.0)}
 BERT_HIDDEN = 768
 
 
@@ -182,8 +184,9 @@ def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat
         row["speedup_threads"] = times["time_1thread_s"] / times["time_s"]
     if c.per_tensor:
         row["shapes"] = [list(s) for s in shapes]
-    if c.name in TARGETS:
-        ref, limit = TARGETS[c.name]
+    target = TARGETS_EF.get(c.name) if c.spec.endswith("ef=true") else None
+    if target or c.name in TARGETS:
+        ref, limit = target or TARGETS[c.name]
         row["target"] = f"<= {limit:g}x {ref}"
         row["meets_target"] = row[f"ratio_to_{ref}"] <= limit
     row.update(device=str(device), threads=torch.get_num_threads(), repeat=repeat, stat=stat,

@@ -153,6 +153,15 @@ PARALLEL_MIN = 1 << 20  # elements below which the kernels run on the calling th
 _pool: ThreadPoolExecutor | None = None
 
 
+def _forget_pool() -> None:  # a forked child has none of the parent's threads: start a new pool
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def sign_pack_sub(x: Tensor, scale: float | None) -> Tensor | None:
     """Packed sign bits of the flat fp32 CPU tensor ``x``; with a ``scale``, also ``x -= copysign(scale, x)``
     in the same pass (mutates ``x`` into error feedback's residual). None when the kernels are unavailable."""
