@@ -37,7 +37,7 @@ _MPI_PROBE = (
     "import mpi4py\n"
     "mpi4py.rc.initialize = mpi4py.rc.finalize = False  # the version query needs no MPI_Init\n"
     "from mpi4py import MPI\n"
-    "print(MPI.Get_library_version().strip().splitlines()[0].strip())\n"
+    "print(MPI.Get_library_version().strip('\\x00 \\n').splitlines()[0].strip('\\x00 '))\n"  # Open MPI ends in a NUL
 )
 
 
@@ -53,7 +53,7 @@ def _mpi() -> tuple[str, str]:
         return ver, "not available (mpi4py not installed)"
     if "mpi4py.MPI" in sys.modules:
         try:
-            return ver, sys.modules["mpi4py.MPI"].Get_library_version().strip().splitlines()[0].strip()
+            return ver, sys.modules["mpi4py.MPI"].Get_library_version().strip("\x00 \n").splitlines()[0].strip("\x00 ")
         except Exception as e:  # noqa: BLE001
             return ver, f"not available ({type(e).__name__}: {e})"
     try:

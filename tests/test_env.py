@@ -13,6 +13,7 @@ from gradzip.cli import main
 def test_env_prints_versions_backends_and_hardware(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
+    assert not re.search(r"[\x00-\x08\x0b-\x1f]", out), "a control character (Open MPI's trailing NUL) in the report"
     # "key<padding>  value": keys may hold one space ("mpi library"), the padding is two or more
     lines = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines() if line.strip())
     for key in ("gradzip", "python", "torch", "nccl", "mpi4py", "mpi library", "tokenizers", "backends", "cpu",

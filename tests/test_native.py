@@ -246,3 +246,36 @@ def test_a_forked_child_runs_the_threaded_kernels(monkeypatch):
         assert p.exitcode == 0 and q.get(timeout=5) is True
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+def test_scalar_paths_of_a_build_without_avx2_give_the_same_bits(monkeypatch, tmp_path):
+    """CPUs without AVX2 run the kernels' scalar loops: build for baseline x86-64 and compare."""
+    def everything() -> list[torch.Tensor]:
+        from gradzip.compress.bitpack import majority_signs, unpack_votes
+
+        n = 3 * 2048 * 8 + 29
+        x = awkward(n, 11)
+        packed = native.sign_pack_sub(x, 0.3)
+        codes = [pack_signs(awkward(n, s)) for s in range(6)]
+        total = torch.empty(8 * packed.numel())
+        assert native.sum_signs(codes, [0.5, 1.5, 0.25, 2.0, 3.0, 0.125], 6.0, total)
+        vote = torch.empty(8 * packed.numel())
+        assert native.majority_decode(codes, 0.5, vote)
+        votes = unpack_votes(*majority_signs(codes), n, torch.tensor(0.5), torch.float32)
+        idx = native.at_least(awkward(n, 12).view(torch.int32), 0x3f000000)
+        return [x, packed, total[:n], vote[:n], votes, idx]
+
+    saved = native._lib, native._why, native._tried
+    try:
+        fast = everything()
+        monkeypatch.setattr(native, "_FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in native._FLAGS])
+        monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path))
+        native.reset()
+        assert native.lib() is not None, native.status()
+        plain = everything()
+    finally:
+        native._lib, native._why, native._tried = saved
+    for a, b in zip(fast, plain):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
