@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +45,7 @@ _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-strict-aliasing", "-
 _lib: ctypes.CDLL | None = None
 _why = "not loaded yet"
 _tried = False
+_lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
@@ -77,7 +79,8 @@ def _build() -> ctypes.CDLL:
         try:
             res = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
             if res.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {res.stderr.strip().splitlines()[-1:] or res.returncode}")
+                last = (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
+                raise RuntimeError(f"{cc} failed: {last}")
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):
@@ -100,8 +103,11 @@ def _build() -> ctypes.CDLL:
 def lib() -> ctypes.CDLL | None:
     """The loaded kernels, built on the first call; None when disabled or unavailable (see :func:`status`)."""
     global _lib, _why, _tried
-    if not _tried:
-        _tried = True
+    if _tried:
+        return _lib
+    with _lock:  # sim's threaded workers may ask at once: one build
+        if _tried:
+            return _lib
         if os.environ.get("GRADZIP_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
             _why = "disabled by GRADZIP_NATIVE=0"
         else:
@@ -109,6 +115,7 @@ def lib() -> ctypes.CDLL | None:
                 _lib, _why = _build(), "in use"
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _why = f"unavailable ({e}); using the numpy/torch path"
+        _tried = True
     return _lib
 
 
