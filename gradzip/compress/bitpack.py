@@ -104,10 +104,8 @@ def unpack_signs(packed: Tensor, n: int, scale: Tensor | float, dtype: torch.dty
     in fp32 on the CPU the fused kernel writes the same values straight from the bits.
     """
     _check(packed, n)
-    if dtype == torch.float32 and packed.device.type == "cpu":
-        out = empty(packed.numel() * 8, dtype)
-        if native.sum_signs([packed], [float(torch.as_tensor(scale, dtype=torch.float32))], 1.0, out):
-            return out[:n]
+    if dtype == torch.float32 and (out := native.sum_signs([packed], [scale], 1.0)) is not None:
+        return out[:n]
     table = (_SIGN_TABLE.to(packed.device) * torch.as_tensor(scale, dtype=torch.float32, device=packed.device))
     out = empty(packed.numel() * 8, dtype, packed.device)
     torch.index_select(table.to(dtype), 0, packed.to(torch.int32), out=out.view(-1, 8))
@@ -124,12 +122,9 @@ def sum_signs(packeds: list[Tensor], n: int, scales: list[Tensor], dtype: torch.
     for p in packeds:
         _check(p, n)
     device = packeds[0].device
-    if dtype == torch.float32 and device.type == "cpu":
-        out = empty(packeds[0].numel() * 8, dtype)
-        # ±scale as the table gives it: the scale's fp32 value, its sign flipped by a 1 bit
-        if native.sum_signs(packeds, [float(torch.as_tensor(s, dtype=torch.float32)) for s in scales],
-                            float(divisor), out):
-            return out[:n]
+    # the kernel: ±scale as the table gives it, the scale's fp32 value with its sign flipped by a 1 bit
+    if dtype == torch.float32 and (out := native.sum_signs(packeds, scales, float(divisor))) is not None:
+        return out[:n]
     tables = [(_SIGN_TABLE.to(device) * torch.as_tensor(s, dtype=torch.float32, device=device)).to(dtype)
               for s in scales]
     out = empty(packeds[0].numel() * 8, dtype, device)
@@ -179,10 +174,8 @@ def unpack_votes(negative: Tensor, tie: Tensor | None, n: int, scale: Tensor | f
     if tie is None:
         return unpack_signs(negative, n, scale, dtype)
     _check(negative, n)
-    if dtype == torch.float32 and negative.device.type == "cpu":
-        out = empty(negative.numel() * 8, dtype)
-        if native.unpack_votes(negative, tie, float(torch.as_tensor(scale, dtype=torch.float32)), out):
-            return out[:n]
+    if dtype == torch.float32 and (out := native.unpack_votes(negative, tie, scale)) is not None:
+        return out[:n]
     device = negative.device
     bits = ((torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1).bool()
     signs = (1.0 - 2.0 * bits.float()) * torch.as_tensor(scale, dtype=torch.float32, device=device)  # by negative byte
@@ -191,6 +184,15 @@ def unpack_votes(negative: Tensor, tie: Tensor | None, n: int, scale: Tensor | f
     idx = negative.to(torch.int32) | (tie.to(torch.int32) << 8)
     torch.index_select(table, 0, idx, out=out.view(-1, 8))
     return out[:n]
+
+
+def decode_vote(packeds: list[Tensor], n: int, scale: Tensor | float, dtype: torch.dtype) -> Tensor:
+    """``unpack_votes(*majority_signs(packeds), n, scale, dtype)``: in fp32 on the CPU counted and
+    decoded in one pass by the fused kernel (the same floats)."""
+    if dtype == torch.float32 and (out := native.majority_decode(packeds, scale)) is not None:
+        return out[:n]
+    negative, tie = majority_signs(packeds)
+    return unpack_votes(negative, tie, n, scale, dtype)
 
 
 def mean_abs(x: Tensor) -> Tensor:

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -182,38 +183,48 @@ def sign_pack_sub(x: Tensor, scale: float | None) -> Tensor | None:
     return out
 
 
-def sum_signs(packeds: list[Tensor], scales: list[float], divisor: float, out: Tensor) -> bool:
-    """``out[:8·bytes] = Σ_r ±scales[r] / divisor`` over the ranks' packed sign codes, in rank order
-    (``out``: fp32, room for whole bytes). False (nothing written) when the kernels are unavailable."""
+def _f32(x: Tensor | float) -> float:
+    return float(torch.as_tensor(x, dtype=torch.float32))
+
+
+def _out(nbytes: int) -> Tensor:
+    # numpy's allocation, as bitpack.empty: huge pages make the fresh buffer's faults cheaper
+    return torch.from_numpy(np.empty(8 * nbytes, dtype=np.float32))
+
+
+def sum_signs(packeds: list[Tensor], scales: list[Tensor | float], divisor: float) -> Tensor | None:
+    """``Σ_r ±scales[r] / divisor`` over the ranks' packed sign codes, in rank order, as a new fp32
+    tensor of 8 elements per byte; None when the kernels are unavailable."""
     k = lib()
-    if k is None or not usable(out, torch.float32) or not all(usable(p, torch.uint8) for p in packeds):
-        return False
+    if k is None or not all(usable(p, torch.uint8) for p in packeds):
+        return None
+    out = _out(packeds[0].numel())
     ptrs = [p.data_ptr() for p in packeds]
-    vals = (ctypes.c_float * len(scales))(*scales)
+    vals = (ctypes.c_float * len(scales))(*[_f32(x) for x in scales])
     op = out.data_ptr()
 
     def part(a: int, b: int) -> int:  # bytes [a, b)
         return k.gz_sum_signs((ctypes.c_void_p * len(ptrs))(*[q + a for q in ptrs]), vals, len(ptrs), b - a,
                               divisor, op + 32 * a)
 
-    nbytes = packeds[0].numel()
-    return all(_run(_byte_parts(nbytes), part))
+    return out if all(_run(_byte_parts(packeds[0].numel()), part)) else None
 
 
-def majority_decode(packeds: list[Tensor], scale: float, out: Tensor) -> bool:
-    """signSGD's vote decoded in one pass: ``out[:8·bytes]`` is ``-scale`` where more than half the
-    ranks' sign codes are negative, +0 where exactly half are, else ``scale``. False (nothing
-    written) when the kernels are unavailable or there are 256 ranks or more."""
+def majority_decode(packeds: list[Tensor], scale: Tensor | float) -> Tensor | None:
+    """signSGD's vote decoded in one pass, as a new fp32 tensor of 8 elements per byte: ``-scale``
+    where more than half the ranks' sign codes are negative, +0 where exactly half are, else
+    ``scale``. None when the kernels are unavailable or there are 256 ranks or more."""
     k = lib()
-    if k is None or not usable(out, torch.float32) or not all(usable(p, torch.uint8) for p in packeds):
-        return False
-    ptrs, op = [p.data_ptr() for p in packeds], out.data_ptr()
+    if k is None or not all(usable(p, torch.uint8) for p in packeds):
+        return None
+    out = _out(packeds[0].numel())
+    ptrs, op, sc = [p.data_ptr() for p in packeds], out.data_ptr(), _f32(scale)
 
     def part(a: int, b: int) -> int:
         return k.gz_majority_decode((ctypes.c_void_p * len(ptrs))(*[q + a for q in ptrs]), len(ptrs), b - a,
-                                    scale, op + 32 * a)
+                                    sc, op + 32 * a)
 
-    return all(_run(_byte_parts(packeds[0].numel()), part))
+    return out if all(_run(_byte_parts(packeds[0].numel()), part)) else None
 
 
 def _byte_parts(nbytes: int) -> list[tuple[int, int]]:
@@ -221,17 +232,17 @@ def _byte_parts(nbytes: int) -> list[tuple[int, int]]:
     return [(a // 8, min(b // 8, nbytes)) for a, b in _parts(8 * nbytes, 64)]
 
 
-def unpack_votes(negative: Tensor, tie: Tensor | None, scale: float, out: Tensor) -> bool:
-    """``out[:8·bytes]``: +0 where ``tie``, else ``-scale`` where ``negative``, else ``scale`` (packed
-    bits; ``tie`` None: no ties). False (nothing written) when the kernels are unavailable."""
+def unpack_votes(negative: Tensor, tie: Tensor | None, scale: Tensor | float) -> Tensor | None:
+    """A new fp32 tensor of 8 elements per byte: +0 where ``tie``, else ``-scale`` where ``negative``,
+    else ``scale`` (packed bits; ``tie`` None: no ties). None when the kernels are unavailable."""
     k = lib()
-    if k is None or not usable(out, torch.float32) or not usable(negative, torch.uint8) \
-            or (tie is not None and not usable(tie, torch.uint8)):
-        return False
-    np_, tp, op = negative.data_ptr(), None if tie is None else tie.data_ptr(), out.data_ptr()
+    if k is None or not usable(negative, torch.uint8) or (tie is not None and not usable(tie, torch.uint8)):
+        return None
+    out = _out(negative.numel())
+    np_, tp, op, sc = negative.data_ptr(), None if tie is None else tie.data_ptr(), out.data_ptr(), _f32(scale)
     _run(_byte_parts(negative.numel()),
-         lambda a, b: k.gz_unpack_votes(np_ + a, None if tp is None else tp + a, b - a, scale, op + 32 * a))
-    return True
+         lambda a, b: k.gz_unpack_votes(np_ + a, None if tp is None else tp + a, b - a, sc, op + 32 * a))
+    return out
 
 
 def at_least(keys: Tensor, thr: int) -> Tensor | None:

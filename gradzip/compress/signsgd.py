@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradzip.compress import native
 from gradzip.compress.base import Payload, numel_of
-from gradzip.compress.bitpack import empty, majority_signs, unpack_votes
+from gradzip.compress.bitpack import decode_vote
 from gradzip.compress.onebit import SignCode
 from gradzip.compress.registry import register
 
@@ -55,10 +54,4 @@ class SignSGD(SignCode):
         if type(self).decompress is not SignCode.decompress or n == 0 or \
                 not bool((torch.isfinite(scales) & (scales > 0)).all()):  # one host sync, not one per rank
             return None
-        mean = scales.mean()
-        if dtype == torch.float32 and payloads[0][0].device.type == "cpu":  # count and decode in one pass
-            out = empty(8 * payloads[0][0].numel(), dtype)
-            if native.majority_decode([p[0] for p in payloads], float(mean), out):
-                return out[:n].view(shape)
-        negative, tie = majority_signs([p[0] for p in payloads])
-        return unpack_votes(negative, tie, n, mean, dtype).view(shape)
+        return decode_vote([p[0] for p in payloads], n, scales.mean(), dtype).view(shape)
