@@ -61,7 +61,8 @@ def test_sign_pack_sub_is_pack_then_subtract_bit_for_bit(n, seed, scale):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n,ranks", [(1, 1), (13, 3), (4096 + 5, 8), (1 << 17, 4), (40_000 + 3, 6), (999, 9)])
+@pytest.mark.parametrize("n,ranks", [(1, 1), (13, 3), (4096 + 5, 8), (1 << 17, 4), (40_000 + 3, 6), (999, 9),
+                                     (2 * 16384 + 29, 17)])  # 3 groups of ranks over 3 blocks
 def test_sum_signs_kernel_matches_the_table_path(n, ranks):
     g = torch.Generator().manual_seed(n)
     packeds = [pack_signs(torch.randn(n, generator=g)) for _ in range(ranks)]

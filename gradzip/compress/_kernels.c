@@ -17,7 +17,7 @@
 #define SUM_BLOCK 2048 /* bytes: 16 Ki elements, 64 KiB of partial sums */
 #endif
 #ifndef GROUP
-#define GROUP 4
+#define GROUP 8
 #endif
 
 static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -54,22 +54,29 @@ void gz_sign_pack_sub(float *x, int64_t n, float scale, uint8_t *out, int sub)
 /* out[i] = (sum over r in rank order of (bit i of packed[r] ? -scales[r] : scales[r])) / divisor,
  * for i < 8 * nbytes (out has room for whole bytes). The first rank's value is the start of the
  * sum, as decoding rank 0 and adding the others in order gives; divisor 1 skips the division.
- * Each rank's 256 possible bytes are a table of 8 floats (8 KiB, cache-resident), so every
- * element costs one load and one add per rank. Returns 0 (nothing written) if out of memory. */
+ * No tables: a rank's 4 bytes (32 elements) are broadcast to 8 lanes, a variable shift moves
+ * element j's bit to lane j's sign bit, and a blend by that bit picks -scale or scale (per-rank
+ * 8 KiB byte tables filled the L1 at 4 ranks). Blocks of SUM_BLOCK bytes, GROUP ranks at a time:
+ * the block's partial sums stay in cache between groups and only GROUP input streams are live.
+ * Returns 0 (nothing written) if out of memory. */
 int gz_sum_signs(const uint8_t *const *packed, const float *scales, int64_t ranks, int64_t nbytes,
                  float divisor, float *out)
 {
     int div = divisor != 1.0f;
-    float *tables = malloc((size_t)ranks * 256 * 8 * sizeof(float));
-    if (!tables)
-        return 0;  /* nothing written: the caller takes its other path */
-    for (int64_t r = 0; r < ranks; r++)
-        for (int b = 0; b < 256; b++)
-            for (int j = 0; j < 8; j++)
-                tables[(r * 256 + b) * 8 + j] = float_of(bits_of(scales[r]) ^ (((uint32_t)(b >> j) & 1u) << 31));
-    /* Blocks of SUM_BLOCK bytes, ranks GROUP at a time: the block's partial sums stay in cache
-     * between groups, and only GROUP input streams and tables are live at once (more streams at
-     * the same page offsets thrash the L1's sets). Each element's additions keep rank order. */
+    float *pm = malloc((size_t)ranks * 2 * sizeof(float));  /* per rank: scale, -scale */
+    if (!pm)
+        return 0;  /* the caller takes its other path */
+    for (int64_t r = 0; r < ranks; r++) {
+        pm[2 * r] = scales[r];
+        pm[2 * r + 1] = float_of(bits_of(scales[r]) ^ SIGN);
+    }
+#ifdef __AVX2__
+    const __m256 vdiv = _mm256_set1_ps(divisor);
+    __m256i sh[4];
+    for (int u = 0; u < 4; u++)
+        sh[u] = _mm256_setr_epi32(31 - 8 * u, 30 - 8 * u, 29 - 8 * u, 28 - 8 * u,
+                                  27 - 8 * u, 26 - 8 * u, 25 - 8 * u, 24 - 8 * u);
+#endif
     for (int64_t b0 = 0; b0 < nbytes; b0 += SUM_BLOCK) {
         int64_t b1 = b0 + SUM_BLOCK < nbytes ? b0 + SUM_BLOCK : nbytes;
         for (int64_t r0 = 0; r0 < ranks; r0 += GROUP) {
@@ -77,18 +84,28 @@ int gz_sum_signs(const uint8_t *const *packed, const float *scales, int64_t rank
             int last = r1 == ranks;
             int64_t b = b0;
 #ifdef __AVX2__
-            const __m256 vdiv = _mm256_set1_ps(divisor);
-            const uint8_t *p[GROUP];
-            for (int64_t r = r0; r < r1; r++)
-                p[r - r0] = packed[r];
-            for (; b + 4 <= b1; b += 4) {  /* 4 bytes (32 elements) per step: independent sums */
+            for (; b + 4 <= b1; b += 4) {  /* 4 bytes (32 elements): 4 independent sums */
                 __m256 acc[4];
-                for (int u = 0; u < 4; u++)
-                    acc[u] = r0 == 0 ? _mm256_loadu_ps(tables + p[0][b + u] * 8) : _mm256_loadu_ps(out + 8 * (b + u));
-                for (int64_t r = r0 == 0 ? 1 : r0; r < r1; r++) {
-                    const float *t = tables + r * 256 * 8;
+                int64_t r = r0;
+                uint32_t w;
+                if (r0 == 0) {
+                    memcpy(&w, packed[0] + b, 4);
+                    __m256i vw = _mm256_set1_epi32((int)w);
+                    __m256 pos = _mm256_set1_ps(pm[0]), neg = _mm256_set1_ps(pm[1]);
                     for (int u = 0; u < 4; u++)
-                        acc[u] = _mm256_add_ps(acc[u], _mm256_loadu_ps(t + p[r - r0][b + u] * 8));
+                        acc[u] = _mm256_blendv_ps(pos, neg, _mm256_castsi256_ps(_mm256_sllv_epi32(vw, sh[u])));
+                    r = 1;
+                } else {
+                    for (int u = 0; u < 4; u++)
+                        acc[u] = _mm256_loadu_ps(out + 8 * (b + u));
+                }
+                for (; r < r1; r++) {
+                    memcpy(&w, packed[r] + b, 4);
+                    __m256i vw = _mm256_set1_epi32((int)w);
+                    __m256 pos = _mm256_set1_ps(pm[2 * r]), neg = _mm256_set1_ps(pm[2 * r + 1]);
+                    for (int u = 0; u < 4; u++)
+                        acc[u] = _mm256_add_ps(acc[u], _mm256_blendv_ps(
+                            pos, neg, _mm256_castsi256_ps(_mm256_sllv_epi32(vw, sh[u]))));
                 }
                 for (int u = 0; u < 4; u++)
                     _mm256_storeu_ps(out + 8 * (b + u), last && div ? _mm256_div_ps(acc[u], vdiv) : acc[u]);
@@ -96,14 +113,14 @@ int gz_sum_signs(const uint8_t *const *packed, const float *scales, int64_t rank
 #endif
             for (; b < b1; b++)
                 for (int j = 0; j < 8; j++) {
-                    float acc = r0 == 0 ? tables[packed[0][b] * 8 + j] : out[8 * b + j];
+                    float acc = r0 == 0 ? pm[(packed[0][b] >> j) & 1] : out[8 * b + j];
                     for (int64_t r = r0 == 0 ? 1 : r0; r < r1; r++)
-                        acc = acc + tables[(r * 256 + packed[r][b]) * 8 + j];
+                        acc = acc + pm[2 * r + ((packed[r][b] >> j) & 1)];
                     out[8 * b + j] = last && div ? acc / divisor : acc;
                 }
         }
     }
-    free(tables);
+    free(pm);
     return 1;
 }
 
