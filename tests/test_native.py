@@ -279,3 +279,50 @@ def test_scalar_paths_of_a_build_without_avx2_give_the_same_bits(monkeypatch, tm
         native._lib, native._why, native._tried = saved
     for a, b in zip(fast, plain):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+needs_outer = pytest.mark.skipif(not native.outer_sgd_ready(), reason="the outer-step kernel needs the kernels "
+                                 "built with FMA and torch on its AVX2/AVX-512 CPU kernels")
+SGD_CONFIGS = [dict(lr=0.7, momentum=0.9, nesterov=True), dict(lr=1.0), dict(lr=0.5, momentum=0.8, dampening=0.1),
+               dict(lr=0.3, momentum=0.9, nesterov=True, weight_decay=0.01), dict(lr=0.2, momentum=0.5)]
+
+
+@needs_outer
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("config", SGD_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_outer_sgd_kernel_is_torch_sgd_bit_for_bit(config, threads, monkeypatch):
+    """gz_outer_sgd's one pass gives step()'s parameters and momentum buffers, and copies them into
+    every target; sizes with vector tails, split over threads."""
+    monkeypatch.setattr(native, "PARALLEL_MIN", 1000)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (1, 15, 16 * 1000 + 7):
+            p = torch.nn.Parameter(awkward(n, 3).nan_to_num(0.0, 1e30, -1e30))
+            opt = torch.optim.SGD([p], **config)
+            theta, targets = p.detach().clone(), [torch.zeros(n), torch.zeros(n)]
+            buf = torch.empty(n) if opt.param_groups[0]["momentum"] else None
+            for step in range(3):
+                grad = torch.randn(n, generator=torch.Generator().manual_seed(step))
+                p.grad = grad.clone()
+                opt.step()
+                kept = grad.clone()
+                assert native.outer_sgd(theta, grad, buf, native.sgd_scalars(opt.param_groups[0]), step == 0, targets)
+                assert torch.equal(grad, kept)  # the gradient is read, not written
+                assert (bits(theta) == bits(p.detach())).all()
+                assert all((bits(t) == bits(theta)).all() for t in targets)
+                if buf is not None:
+                    assert (bits(buf) == bits(opt.state[p]["momentum_buffer"])).all()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_outer
+def test_outer_sgd_kernel_refuses_what_it_cannot_take():
+    scalars = native.sgd_scalars(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0).param_groups[0])
+    x = torch.zeros(8)
+    assert not native.outer_sgd(x, torch.zeros(7), None, scalars, False, [])  # sizes differ
+    assert not native.outer_sgd(x, torch.zeros(8, dtype=torch.float64), None, scalars, False, [])
+    assert not native.outer_sgd(x, torch.zeros(16)[::2], None, scalars, False, [])  # not contiguous
+    with numpy_path():
+        assert not native.outer_sgd_ready()

@@ -10,7 +10,8 @@ round by round with a memcpy of the same number of parameter bytes:
   compress + decode, the outer Nesterov step on θ_global, copy back into the model;
 - ``memcpy_s``: one copy of every parameter (a flat tensor of the same size);
 - ``ratio`` = sync_s / memcpy_s. Target (issue 18): <= 3 for the local work of one sync.
-- ``outer``: ``fused`` times DiLoCo's cache-blocked outer step (:mod:`gradzip.engine.outer_step`),
+- ``outer``: ``fused`` times DiLoCo's fused outer step (:mod:`gradzip.engine.outer_step`: one C pass
+  per tensor where the kernels are in use, else cache-blocked ``_foreach`` calls),
   ``step`` the same sync through ``outer.step()`` and a separate merge (``--outer both``: side by side).
 
 Memory: ``extra_bytes`` is what DiLoCo holds beyond the model and the inner optimizer, per rank:
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="outer Nesterov momentum (default: 0.9)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: 5)")
     parser.add_argument("--outer", choices=("fused", "step", "both"), default="fused",
-                        help="the outer step: fused (DiLoCo's cache-blocked one, the default when the outer "
+                        help="the outer step: fused (DiLoCo's one-pass one, the default when the outer "
                              "optimizer is a plain torch SGD), step (outer.step() then the merge), both")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
 

@@ -7,6 +7,7 @@ two to four:
 
 - :func:`sign_pack_sub`: pack the sign bits and subtract ``copysign(scale, x)`` (1-bit EF);
 - :func:`sum_signs`: the mean of n ranks' ``±scale`` codes, without a decode per rank;
+- :func:`outer_sgd`: DiLoCo's outer SGD step and the copy back into the model (engine/outer_step.py);
 - :func:`at_least`: top-k's candidate filter (the indices whose magnitude reaches a threshold);
 - :func:`unpack_votes` and :func:`majority_decode`: ``signsgd``'s majority vote, counted and decoded
   straight from the packed bits.
@@ -98,6 +99,10 @@ def _build() -> ctypes.CDLL:
     lib.gz_majority_decode.restype = ctypes.c_int
     lib.gz_at_least.argtypes = [ptr, i64, ctypes.c_int32, ptr]
     lib.gz_at_least.restype = i64
+    lib.gz_outer_sgd.argtypes = [ptr, ptr, ptr, i64, f32, f32, f32, f32, ctypes.c_int, ctypes.c_int, ptr, i64]
+    lib.gz_outer_sgd.restype = ctypes.c_int
+    lib.gz_has_fma.argtypes = []
+    lib.gz_has_fma.restype = ctypes.c_int
     return lib
 
 
@@ -258,3 +263,43 @@ def at_least(keys: Tensor, thr: int) -> Tensor | None:
         return idx[:counts[0]].clone()
     # each range's indices are relative to its start, and written at its start
     return torch.cat([idx[a:a + c] + a for (a, _), c in zip(parts, counts)])
+
+
+
+def outer_sgd_ready() -> bool:
+    """Whether :func:`outer_sgd` can run: the kernels are loaded, built with FMA, and torch's CPU
+    kernels (whose floats it reproduces) are its AVX2 or AVX-512 ones."""
+    k = lib()
+    return k is not None and bool(k.gz_has_fma()) and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def sgd_scalars(group: dict[str, Any]) -> tuple[float, float, float, float, int]:
+    """An SGD param group's (−lr, momentum, 1 − dampening, weight decay, nesterov), rounded to fp32
+    as torch's kernels round them: :func:`outer_sgd`'s settings."""
+    return (_f32(-float(group["lr"])), _f32(float(group["momentum"])), _f32(1 - float(group["dampening"])),
+            _f32(float(group["weight_decay"])), int(bool(group["nesterov"])))
+
+
+def outer_sgd(theta: Tensor, grad: Tensor, buf: Tensor | None, scalars: tuple[float, float, float, float, int],
+              first: bool, targets: list[Tensor]) -> bool:
+    """One ``torch.optim.SGD`` step (:func:`sgd_scalars` of its group) on ``theta`` with gradient
+    ``grad`` and momentum buffer ``buf`` (None without momentum; started as a copy when ``first``),
+    then ``target.copy_(theta)`` for each target, in one pass over memory. Mutates ``theta``, ``buf``
+    and the targets, not ``grad``; shapes may differ, sizes may not. The floats of torch's AVX2 and
+    AVX-512 kernels, whose add-with-alpha is one fused multiply-add (check :func:`outer_sgd_ready`
+    first). False (nothing done) when a tensor is not a contiguous fp32 CPU tensor of that size."""
+    k = lib()
+    n = theta.numel()
+    tensors = [theta, grad, *targets] + ([buf] if buf is not None else [])
+    if k is None or not all(usable(t, torch.float32) and t.numel() == n for t in tensors):
+        return False
+    tp, gp, bp = theta.data_ptr(), grad.data_ptr(), None if buf is None else buf.data_ptr()
+    outs = [t.data_ptr() for t in targets]
+    neg_lr, mom, keep, wd, nesterov = scalars
+
+    def part(a: int, b: int) -> int:
+        ptrs = (ctypes.c_void_p * max(1, len(outs)))(*[q + 4 * a for q in outs])
+        return k.gz_outer_sgd(tp + 4 * a, gp + 4 * a, None if bp is None else bp + 4 * a, b - a, neg_lr, mom,
+                              keep, wd, nesterov, int(first), ptrs, len(outs))
+
+    return all(_run(_parts(n, 16), part))

@@ -15,8 +15,12 @@ wraps it, a step hook expects to run); :func:`fusable` says so, and otherwise Di
 ``step()`` as before. The optimizer's state (``momentum_buffer`` per parameter) is read and written
 where ``step()`` keeps it, so ``state_dict()``, checkpoints and a later unfused step see no difference.
 
-Measured (``gradzip bench sync --outer both``, BENCHMARKS.md): on a CPU whose L3 holds most of
-bert-mini it was no faster than ``step()`` plus the merge; the gain is for models larger than the cache.
+Where gradzip's C kernels are in use (:mod:`gradzip.compress.native`, built with FMA, torch on its
+AVX2 or AVX-512 kernels), each tensor's whole update and merge is one C loop instead
+(``gz_outer_sgd``: the same operations as fused multiply-adds, as torch's vectorized
+add-with-alpha computes them; the same floats, tested). Measured (``gradzip bench sync --outer
+both``, BENCHMARKS.md): the blocked foreach path was no faster than ``step()`` plus the merge on
+a CPU whose L3 holds bert-mini; the C pass is.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from gradzip.compress import native
 
 CHUNK = 1 << 16  # elements per block: 256 KiB of fp32 per stream, four streams in a core's L2
 
@@ -60,15 +66,24 @@ def fused_sgd_step(opt: torch.optim.SGD, items: Sequence[tuple[Tensor, Tensor, T
     Blocks: large tensors are cut into :data:`CHUNK`-element slices and small ones gathered, into
     waves of about :data:`CHUNK` elements; each wave goes through the update with one ``_foreach``
     call per operation (the kernels of ``step()``, a C++ loop instead of one Python call per tensor).
+    With the fused C kernels (:func:`gradzip.compress.native.outer_sgd_ready`), each tensor takes
+    one C pass instead, with the same floats; a merge with α > 0 then follows as ``lerp_``.
     """
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
     waves: dict[tuple[int, bool], list[list[Any]]] = {}  # (group, first step) -> waves of slices
+    fast = native.outer_sgd_ready()  # one C pass per tensor instead (compress/native.py)
+    scalars = {id(g): native.sgd_scalars(g) for g in opt.param_groups} if fast else {}
     for param, theta, grad, targets in items:
         g = group_of[id(param)]
         buf = opt.state[param].get("momentum_buffer") if g["momentum"] != 0 else None  # no state without momentum
         first = g["momentum"] != 0 and buf is None
         if first:  # step() starts the buffer as a copy of the (decayed) gradient
             buf = opt.state[param]["momentum_buffer"] = torch.empty_like(grad)
+        if fast and native.outer_sgd(theta, grad, buf, scalars[id(g)], first,
+                                     list(targets) if alpha == 0 else []):
+            for t in targets if alpha != 0 else []:
+                t.lerp_(theta, 1.0 - alpha)
+            continue
         views = [theta.view(-1), grad.view(-1), buf.view(-1) if buf is not None else None] + \
             [t.view(-1) for t in targets]
         todo = waves.setdefault((id(g), first), [[]])
