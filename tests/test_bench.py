@@ -141,3 +141,18 @@ def test_bench_sync_leaves_the_environment_as_it_found_it(capsys, monkeypatch):
         monkeypatch.delenv(k, raising=False)
     assert main(["bench", "sync", "--model", "bert-tiny", "--compressor", "none", "--rounds", "1", "--json"]) == 0
     assert not any(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+
+
+@pytest.mark.parametrize("ratio", [1.0, 4.0])
+def test_bench_engine_sim_overlap_paces_the_link_to_the_asked_ratio(ratio):
+    """The sim half of ``bench engine``'s overlap rows: the link is set so that the step's
+    allreduces take ``ratio`` x the measured compute, and no schedule beats the first bucket."""
+    import argparse
+
+    from gradzip.bench.engine import sim_overlap
+
+    args = argparse.Namespace(model="tiny", seq=16, batch=2, workers=2, overlap_cap_mb=0.5)
+    row = sim_overlap(args, ratio)
+    assert row["comm_ratio"] == ratio and row["buckets"] > 1
+    assert row["link_s"] > 0 and row["step_s"] >= max(row["compute_s"], row["link_s"]) * 0.999
+    assert 1.0 <= row["ideal_ratio"] <= row["ratio"] * 1.001

@@ -91,7 +91,7 @@ def test_at_least_kernel_matches_numpy(n):
 
 
 @needs_kernels
-@pytest.mark.parametrize("spec", ["onebit", "topk:ratio=0.01,ef=true", "signsgd:ef=true"])
+@pytest.mark.parametrize("spec", ["onebit", "topk:ratio=0.01,ef=true", "signsgd:ef=true", "natural:ef=true"])
 def test_error_feedback_is_the_same_with_and_without_kernels(spec):
     """Payloads, decodes and residuals over several steps, with a non-finite step in between."""
     def run() -> list[torch.Tensor]:
@@ -326,3 +326,43 @@ def test_outer_sgd_kernel_refuses_what_it_cannot_take():
     assert not native.outer_sgd(x, torch.zeros(16)[::2], None, scalars, False, [])  # not contiguous
     with numpy_path():
         assert not native.outer_sgd_ready()
+
+
+@needs_kernels
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), seed=st.integers(0, 2**16))
+def test_sub_finite_is_sub_then_nan_to_num_bit_for_bit(n, seed):
+    m, t = awkward(n, seed), awkward(n, seed + 1)
+    ref = m.clone().sub_(t).nan_to_num_(0.0, 0.0, 0.0)
+    assert native.sub_finite(m, t)
+    assert (bits(m) == bits(ref)).all()
+    assert not native.sub_finite(m, t[:-1] if n else torch.zeros(1))  # sizes differ: nothing done
+    assert not native.sub_finite(m.double(), t.double())
+
+
+@needs_kernels
+@pytest.mark.parametrize("residual", ["local", "reduced"])
+def test_powersgd_error_feedback_is_the_same_with_and_without_kernels(residual):
+    """Both rounds, one rank (the reduced payload is its own), a step with an inf in between: the
+    fused subtraction and guard leave the bits of sub_ then nan_to_num_."""
+    def run() -> list[torch.Tensor]:
+        comp = create(f"powersgd:rank=2,residual={residual}")
+        g = torch.Generator().manual_seed(5)
+        seen = []
+        for step in range(4):
+            grads = [torch.randn(60, 7, generator=g), torch.randn(100, generator=g), torch.randn(40, 30, generator=g)]
+            if step == 2:
+                grads[0][3, 4] = float("inf")
+                grads[1][5] = float("nan")
+            payload, ctx = comp.compress_batch(grads, "b")
+            payload, ctx = comp.next_round_batch(payload, ctx)
+            seen += comp.decompress_batch(payload, ctx)
+            seen += [r.clone() for r in comp.residuals("b")]
+        return seen
+
+    fast = run()
+    with numpy_path():
+        ref = run()
+    for a, b in zip(fast, ref):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert all(torch.isfinite(r).all() for r in fast[-3:])

@@ -249,7 +249,7 @@ def sim_overlap(args: argparse.Namespace, ratio: float) -> dict[str, Any]:
     world = SimWorld(args.workers, bandwidth=1e9, latency=0.0)
     engine = attach(model, "none", world, bucket_cap_mb=args.overlap_cap_mb)
     unit = allreduce_seconds_per_step(engine, args.workers, cost.Link(8.0))
-    world.link = cost.Link(8.0 * unit / (ratio * compute), 0.0)  # comm = ratio x compute
+    world.inter = cost.Link(8.0 * unit / (ratio * compute), 0.0)  # comm = ratio x compute (one worker a node)
     rows = []
     for _ in range(3):
         for w in engine.worker_ids:

@@ -265,3 +265,13 @@ int gz_outer_sgd(float *theta, const float *g, float *buf, int64_t n, float neg_
     return 1;
 #endif
 }
+
+/* m[i] -= t[i], then +0 where the difference is not finite: error feedback's residual against a
+ * decoded payload and its non-finite guard (sub_ then nan_to_num_(0, 0, 0)) in one pass. */
+void gz_sub_finite(float *m, const float *t, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float d = m[i] - t[i];
+        m[i] = (bits_of(d) & 0x7f800000u) == 0x7f800000u ? 0.0f : d;
+    }
+}

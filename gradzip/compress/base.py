@@ -74,6 +74,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from gradzip.compress import native
+
 Payload = tuple[Tensor, ...]
 Collective = Literal["allreduce", "allgather"]
 # How the ranks' payloads are combined (see gradzip.engine.schemes): the compressor's own
@@ -210,12 +212,13 @@ class Compressor(ABC):
     #: ``residual=reduced``), which saves decoding the local payload. See :meth:`subtract_output`.
     residual_from_output: bool = False
 
-    def subtract_output(self, out: list[Tensor], ctx: Any, memory: list[Tensor]) -> None:
+    def subtract_output(self, out: list[Tensor], ctx: Any, memory: list[Tensor]) -> bool:
         """With :attr:`residual_from_output`: ``memory`` (the compensated tensors, fp32) minus
         ``out`` (this rank's decode of the reduced payload), in place; the default subtracts every
-        tensor. Override it where some tensors travel exactly (their residual is zero)."""
-        for m, o in zip(memory, out):
-            m.sub_(o)
+        tensor. Override it where some tensors travel exactly (their residual is zero). True when
+        the non-finite entries of the result are zeroed too (:func:`sub_finite_`): error feedback
+        then skips that pass."""
+        return all([sub_finite_(m, o) for m, o in zip(memory, out)])
 
     def sent_proves_finite(self, payload: Payload, ctx: Any) -> bool:
         """True when ``payload`` shows, at no cost and without a device sync, that every entry of
@@ -467,3 +470,12 @@ def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)
+
+
+def sub_finite_(m: Tensor, t: Tensor) -> bool:
+    """``m -= t``; True when the non-finite entries of the result were zeroed in the same pass (the
+    fused kernel, :func:`gradzip.compress.native.sub_finite`), False when only subtracted."""
+    if native.sub_finite(m, t):
+        return True
+    m.sub_(t)
+    return False

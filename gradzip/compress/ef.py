@@ -36,7 +36,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import BucketCompressor, Compressor, Payload, cast_saturating, flatten, key_under, unflatten
+from gradzip.compress.base import (
+    BucketCompressor,
+    Compressor,
+    Payload,
+    cast_saturating,
+    flatten,
+    key_under,
+    sub_finite_,
+    unflatten,
+)
 
 
 @dataclass
@@ -153,18 +162,18 @@ class ErrorFeedback(BucketCompressor):
         # zeroes the sent entries, sign codes subtract ±scale, or already did while encoding:
         # ``subtracted``), else decode and subtract.
         assert ctx.flat is not None
+        cleaned = False  # the subtraction zeroed non-finite entries as it went (sub_finite_)
         if subtracted:
             pass
         elif self.residual_from_output:  # payload: the decode of the reduced result (decompress_batch)
-            self.inner.subtract_output(list(payload), ctx.inner, ctx.compensated)
+            cleaned = bool(self.inner.subtract_output(list(payload), ctx.inner, ctx.compensated))
         elif not self.inner.subtract_sent_batch(payload, ctx.inner, ctx.flat):
             transmitted = self.inner.decompress_batch(payload, ctx.inner)
-            for m, t in zip(ctx.compensated, transmitted):
-                m.sub_(t)
+            cleaned = all([sub_finite_(m, t) for m, t in zip(ctx.compensated, transmitted)])
         # A non-finite gradient (an fp16 overflow step that the grad scaler skips) would poison the
         # memory for good: zero those entries (no host sync, unlike an isfinite().all() check),
-        # unless the payload already proves the compensated gradient finite (one pass saved).
-        if not self.inner.sent_proves_finite_batch(payload, ctx.inner):
+        # unless that is done or the payload proves the compensated gradient finite (one pass saved).
+        if not cleaned and not self.inner.sent_proves_finite_batch(payload, ctx.inner):
             ctx.flat.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         ctx.compensated = ctx.flat = None
 

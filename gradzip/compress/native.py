@@ -8,6 +8,7 @@ two to four:
 - :func:`sign_pack_sub`: pack the sign bits and subtract ``copysign(scale, x)`` (1-bit EF);
 - :func:`sum_signs`: the mean of n ranks' ``±scale`` codes, without a decode per rank;
 - :func:`outer_sgd`: DiLoCo's outer SGD step and the copy back into the model (engine/outer_step.py);
+- :func:`sub_finite`: error feedback's residual against a decoded payload, non-finite entries zeroed;
 - :func:`at_least`: top-k's candidate filter (the indices whose magnitude reaches a threshold);
 - :func:`unpack_votes` and :func:`majority_decode`: ``signsgd``'s majority vote, counted and decoded
   straight from the packed bits.
@@ -101,6 +102,8 @@ def _build() -> ctypes.CDLL:
     lib.gz_at_least.restype = i64
     lib.gz_outer_sgd.argtypes = [ptr, ptr, ptr, i64, f32, f32, f32, f32, ctypes.c_int, ctypes.c_int, ptr, i64]
     lib.gz_outer_sgd.restype = ctypes.c_int
+    lib.gz_sub_finite.argtypes = [ptr, ptr, i64]
+    lib.gz_sub_finite.restype = None
     lib.gz_has_fma.argtypes = []
     lib.gz_has_fma.restype = ctypes.c_int
     return lib
@@ -248,6 +251,19 @@ def unpack_votes(negative: Tensor, tie: Tensor | None, scale: Tensor | float) ->
     _run(_byte_parts(negative.numel()),
          lambda a, b: k.gz_unpack_votes(np_ + a, None if tp is None else tp + a, b - a, sc, op + 32 * a))
     return out
+
+
+
+def sub_finite(m: Tensor, t: Tensor) -> bool:
+    """``m -= t``, then +0 wherever the difference is inf or NaN, in one pass: the floats of
+    ``m.sub_(t).nan_to_num_(0.0, 0.0, 0.0)``. Mutates ``m``. False (nothing done) when the kernels
+    are unavailable or ``m``, ``t`` are not contiguous fp32 CPU tensors of one size."""
+    k = lib()
+    if k is None or m.numel() != t.numel() or not (usable(m, torch.float32) and usable(t, torch.float32)):
+        return False
+    mp, tp = m.data_ptr(), t.data_ptr()
+    _run(_parts(m.numel(), 16), lambda a, b: k.gz_sub_finite(mp + 4 * a, tp + 4 * a, b - a))
+    return True
 
 
 def at_least(keys: Tensor, thr: int) -> Tensor | None:

@@ -49,7 +49,7 @@ from gradzip.compress._linalg import (
     orthonormalize,
     seeded_normal,
 )
-from gradzip.compress.base import BucketCompressor, Payload, key_under, numel_of, unflatten
+from gradzip.compress.base import BucketCompressor, Payload, key_under, numel_of, sub_finite_, unflatten
 from gradzip.compress.registry import register
 
 
@@ -143,12 +143,10 @@ class PowerSGD(BucketCompressor):
         return [o.to(d) for o, d in zip(out, ctx.dtypes)]
 
 
-    def subtract_output(self, out: list[Tensor], ctx: LowRankCtx, memory: list[Tensor]) -> None:
-        for i in ctx.plain:  # sent exactly: nothing is left behind (as local: x − x)
-            memory[i].sub_(memory[i])
-        for g in ctx.groups:
-            for i in g.idx:
-                memory[i].sub_(out[i])
+    def subtract_output(self, out: list[Tensor], ctx: LowRankCtx, memory: list[Tensor]) -> bool:
+        for i in ctx.plain:  # sent exactly: nothing is left behind (x − x is +0, or NaN that EF zeroes)
+            memory[i].zero_()
+        return all([sub_finite_(memory[i], out[i]) for g in ctx.groups for i in g.idx])
 
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         dims = self._matrix(shape)
