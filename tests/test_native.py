@@ -366,3 +366,18 @@ def test_powersgd_error_feedback_is_the_same_with_and_without_kernels(residual):
     for a, b in zip(fast, ref):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert all(torch.isfinite(r).all() for r in fast[-3:])
+
+
+def test_encoding_a_sign_leaves_numpy_and_scipy_blas_on_one_thread():
+    """mean_abs's BLAS sum runs single-threaded (idle OpenBLAS threads busy-wait and took a core
+    from torch); torch's own threads are left alone."""
+    from threadpoolctl import threadpool_info
+
+    from gradzip.compress.bitpack import mean_abs
+
+    threads = torch.get_num_threads()
+    x = torch.randn(5000)
+    assert mean_abs(x).item() == pytest.approx(x.abs().mean().item(), rel=1e-5)
+    blas = [i for i in threadpool_info() if i["user_api"] == "blas" and "torch" not in i["filepath"]]
+    assert blas and all(i["num_threads"] == 1 for i in blas)
+    assert torch.get_num_threads() == threads

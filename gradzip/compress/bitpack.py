@@ -206,9 +206,35 @@ def mean_abs(x: Tensor) -> Tensor:
         # would add ~0.2 s to every gradzip command, most of which never encode a sign.
         from scipy.linalg import blas
 
+        _one_blas_thread()
         asum = blas.sasum if flat.dtype == torch.float32 else blas.dasum
         return torch.tensor(float(asum(flat.numpy())) / n, dtype=torch.float32)
     return torch.linalg.vector_norm(flat, 1, dtype=torch.float32) / n
+
+
+_blas_limited = False
+
+
+def _one_blas_thread() -> None:
+    """Limit the BLAS libraries that numpy and scipy load (not torch's) to one thread, once.
+
+    scipy's OpenBLAS starts a thread per core. After each call those threads busy-wait, and with
+    torch's default 2 threads on 2 cores they took a core from forward and backward: the onebit
+    quickstart cell's compute took 2.6x as long. Its multithreaded sum also made ``mean_abs``
+    depend on the thread count. One thread gives the same floats as ``OMP_NUM_THREADS=1``.
+    """
+    global _blas_limited
+    if _blas_limited:
+        return
+    import os
+
+    from threadpoolctl import ThreadpoolController
+
+    torch_dir = os.path.dirname(torch.__file__)
+    for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
+        if not os.path.realpath(lib.filepath).startswith(os.path.realpath(torch_dir)):
+            lib.set_num_threads(1)
+    _blas_limited = True
 
 
 def _check(packed: Tensor, n: int) -> None:
