@@ -10,10 +10,13 @@ import argparse
 import os
 
 import torch
-from accelerate import Accelerator
-from toy_mlm import Patterns, save_replica, tiny_bert
 
 import gradzip
+from gradzip.integrations import exit_if_missing
+
+with exit_if_missing("examples/accelerate_ddp.py", "hf"):  # without the extra: one line, exit code 2
+    from accelerate import Accelerator
+    from toy_mlm import Patterns, save_replica, tiny_bert
 
 
 def main() -> None:

@@ -11,10 +11,13 @@ import argparse
 import os
 
 import torch
-from toy_mlm import Patterns, save_replica, tiny_bert
 
 import gradzip
 from gradzip.comm import init_communicator
+from gradzip.integrations import exit_if_missing
+
+with exit_if_missing("examples/diloco_hf.py", "hf"):  # without the extra: one line, exit code 2
+    from toy_mlm import Patterns, save_replica, tiny_bert
 
 
 def main() -> None:

@@ -9,10 +9,13 @@ the Trainer's checkpoints (`--save-steps`, then `--resume`).
 
 import argparse
 
-from toy_mlm import Patterns, save_replica, tiny_bert
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from gradzip.integrations import exit_if_missing
 
-from gradzip.integrations.transformers import GradzipCallback
+with exit_if_missing("examples/hf_trainer.py", "hf"):  # without the extra: one line, exit code 2
+    from toy_mlm import Patterns, save_replica, tiny_bert
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gradzip.integrations.transformers import GradzipCallback
 
 
 class StopAt(TrainerCallback):

@@ -9,14 +9,18 @@ and keeps every rank's error memory in Lightning's checkpoints.
 
 import argparse
 
-import lightning as L
 import torch
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy
-from toy_mlm import Patterns, save_replica, tiny_bert
 
 import gradzip
-from gradzip.integrations.lightning import GradzipCallback
+from gradzip.integrations import exit_if_missing
+
+with exit_if_missing("examples/lightning_ddp.py", "lightning"):  # without the extra: one line, exit code 2
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import DDPStrategy
+    from toy_mlm import Patterns, save_replica, tiny_bert
+
+    from gradzip.integrations.lightning import GradzipCallback
 
 
 class MaskedLM(L.LightningModule):

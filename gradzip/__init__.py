@@ -5,8 +5,11 @@ parts share one registry, one units parser and one cost model), bottom to top:
 
 - :mod:`gradzip.compress`    compressors, error feedback, the registry of specs
 - :mod:`gradzip.comm`        the Communicator contract and its backends (sim, torch, mpi)
-- :mod:`gradzip.cluster`     the bucket plan, the one step-time model, ``gradzip simulate``
-- :mod:`gradzip.engine`      attaches compression + communication to any ``nn.Module``
+- :mod:`gradzip.plan`        the bucket plan and the ``--sync`` spec (what the engine runs)
+- :mod:`gradzip.cluster`     the one step-time model, ``gradzip simulate``
+- :mod:`gradzip.engine`      attaches compression + communication to any ``nn.Module``: the one
+  synchronisation protocol, the per-step engine, DiLoCo
+- :mod:`gradzip.optim`       LAMB, 1-bit Adam/LAMB, DeMo
 - :mod:`gradzip.models`      BERT for masked-LM pretraining
 - :mod:`gradzip.data`        corpus, tokenizer and example pipeline
 - :mod:`gradzip.netem`       the network testbed (namespaces + tc)
@@ -14,9 +17,17 @@ parts share one registry, one units parser and one cost model), bottom to top:
 - :mod:`gradzip.plots`       figures and results tables
 - :mod:`gradzip.experiments` the experiment runner: specs, ``gradzip sweep``/``run``
 - :mod:`gradzip.bench`       ``gradzip bench`` and the simulator's validation
+- :mod:`gradzip.testing`     test batteries that run under torchrun/mpirun (the communicator self-test)
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# Torch's OpenMP threads sleep while they wait instead of spinning (unless the user chose): a spinning
+# thread takes a core from any other process, and its busy-waiting would count as work in sim's
+# CPU-time clock. It takes effect when gradzip is imported before torch (the gradzip command is).
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def ddp_hook(spec: str, process_group=None, **kwargs):

@@ -20,6 +20,7 @@ if not os.environ.get("GRADZIP_DEBUG"):
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from gradzip import __version__  # noqa: E402
+from gradzip.bench.cli import BENCHMARKS
 from gradzip.errors import CommError, GradzipError, TrainingError
 from gradzip.subcommands import add_subcommands
 
@@ -29,9 +30,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("gradzip.experiments.sweep", "run every cell of an experiment spec (TOML)"),
     "run": ("gradzip.experiments.run_cli", "run a spec that ships with gradzip (--list to list them)"),
     "plot": ("gradzip.plots.cli", "draw figures and the results table of a run or sweep"),
-    "bench": ("gradzip.bench.cli", "benchmarks: compress, engine, train"),
+    "bench": ("gradzip.bench.cli", f"benchmarks: {', '.join(BENCHMARKS)}"),
     "ls": ("gradzip.ls", "list the registered compressors"),
-    "simulate": ("gradzip.cluster.simulate", "predict step time of a large cluster (cost model)"),
+    "simulate": ("gradzip.cluster.simulate_cli", "predict step time of a large cluster (cost model)"),
     "netem": ("gradzip.netem.cli", "emulated hosts with shaped links (namespaces + tc)"),
     "env": ("gradzip.env", "print versions and available backends (for bug reports)"),
 }

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from gradzip import __version__
 from gradzip.compress import native
+from gradzip.host import busy_elsewhere, choose_threads, usable_cores
 
 
 def _version(dist: str) -> str:
@@ -119,7 +120,10 @@ def collect() -> dict[str, str]:
         backends.append("mpi")
     info["backends"] = ", ".join(backends)
     info["cpu"] = _cpu()
-    info["torch threads"] = str(torch.get_num_threads())
+    threads, why = choose_threads()
+    info["torch threads"] = f"{threads} for gradzip train ({why}); torch's default here: {torch.get_num_threads()}"
+    info["host load"] = f"{busy_elsewhere():.1f} of {usable_cores()} cores busy with other processes"
+    info["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "not set")
     info["native kernels"] = native.status().removeprefix("native kernels: ")
     if cuda:
         info["gpu"] = "; ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))

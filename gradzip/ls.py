@@ -11,8 +11,8 @@ import argparse
 import json
 from typing import Any
 
-from gradzip.cluster.sync import MODES
 from gradzip.compress.registry import describe, registry
+from gradzip.plan.sync import MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,9 @@ CASES = [
     ("out-not-empty", TRAIN + ["--out", "d"], {}, {"d/keep.txt": "mine"}, "exists and is not empty"),
     ("resume-nothing", TRAIN + ["--out", "d", "--resume"], {}, {"d/keep.txt": "mine"}, "holds no checkpoint"),
     ("unknown-compressor", TRAIN + ["--compressor", "zip9"], {}, {}, "unknown compressor 'zip9'"),
+    ("compressor-space-not-comma", TRAIN + ["--compressor", "topk:ratio=0.01 ef=true"], {}, {},
+     "has a space inside 'ratio=0.01 ef=true': separate parameters with commas, e.g. topk:ratio=0.01,ef=true"),
+    ("resume-missing-out", TRAIN + ["--out", "no-such-run", "--resume"], {}, {}, "does not exist, so there is no run"),
     ("compressor-bad-param", TRAIN + ["--compressor", "topk:ratio=2"], {}, {}, "topk"),
     ("compressor-unknown-param", TRAIN + ["--compressor", "topk:k=3"], {}, {}, "unknown parameter"),
     ("unknown-exchange", TRAIN + ["--compressor", "onebit", "--exchange", "ring"], {}, {},
@@ -124,6 +127,12 @@ CASES = [
     ("fault-without-step", TRAIN, {"GRADZIP_FAULT": "nan:rank=1"}, {}, "step= is required"),
     ("fault-delay-without-seconds", TRAIN, {"GRADZIP_FAULT": "delay:step=2"}, {}, "delay needs seconds= > 0"),
     ("fault-step-range-reversed", TRAIN, {"GRADZIP_FAULT": "inf:step=5-2"}, {}, "A <= B"),
+    ("simulate-encode-cost-numel-not-a-number", SIM + ["--compressor", "topk", "--encode-cost", "b.json"], {},
+     {"b.json": '[{"name": "topk", "spec": "topk", "numel": "many", "time_s": 1e-6}]'},
+     "--encode-cost file b.json: row topk: numel must be a number, got 'many'"),
+    ("simulate-encode-cost-time-not-a-number", SIM + ["--compressor", "fp16", "--encode-cost", "b.json"], {},
+     {"b.json": '[{"name": "fp16", "numel": 1000, "compress_s": [1], "decompress_s": 2e-6}]'},
+     "row fp16: compress_s must be a number"),
 ]
 
 LAUNCHER_VARS = ("GRADZIP_FAULT",  # a fault set outside the suite must not reach these runs
@@ -161,3 +170,20 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(argv, env, files, need
     assert "Traceback" not in err and needle in err, err
     assert _hashes(tmp_path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted({Path(n).parts[0] for n in files})
+
+
+def test_unreadable_corpus_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """``--corpus FILE`` that cannot be opened (permissions: simulated, since root reads any file)."""
+    import builtins
+
+    from gradzip.data import corpus
+
+    def refuse(path, *args, **kwargs):
+        if Path(path).name == "c.txt":
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(corpus, "open", refuse, raising=False)
+    test_bad_input_is_one_line_exit_2_and_changes_nothing(
+        TRAIN + ["--corpus", "c.txt"], {}, {"c.txt": TEXT}, "cannot read corpus file c.txt (Permission denied)",
+        tmp_path, monkeypatch, capsys)

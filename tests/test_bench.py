@@ -50,7 +50,7 @@ def test_bench_compress_only_and_ef(capsys):
                                                       create("topk:ratio=0.1,ef=true").spec]
 
 
-@pytest.mark.parametrize("argv, message", [(["--only", "nosuch"], "unknown compressor(s) nosuch"),
+@pytest.mark.parametrize("argv, message", [(["--only", "nosuch"], "--compressor: unknown compressor(s) nosuch"),
                                            (["--numel", "0"], "--numel, --repeat and --threads must be >= 1"),
                                            (["--only", "powersgd:rank=0"], "powersgd: rank must be"),
                                            (["--only", "topk:colour=red"], "unknown parameter(s) colour")])
@@ -156,3 +156,31 @@ def test_bench_engine_sim_overlap_paces_the_link_to_the_asked_ratio(ratio):
     assert row["comm_ratio"] == ratio and row["buckets"] > 1
     assert row["link_s"] > 0 and row["step_s"] >= max(row["compute_s"], row["link_s"]) * 0.999
     assert 1.0 <= row["ideal_ratio"] <= row["ratio"] * 1.001
+
+
+# ------------------------------------------------------------- --compressor, as in train and simulate
+def test_bench_compress_takes_compressor_like_train_and_simulate(capsys):
+    """``--compressor`` is the flag's name (``--only`` stays, the same list): several after one flag,
+    or the flag repeated as in ``gradzip simulate``; both land in one list, in order."""
+    one = run_json(capsys, "--numel", "1000", "--compressor", "topk:ratio=0.1", "none", "--ef")
+    repeated = run_json(capsys, "--numel", "1000", "--compressor", "topk:ratio=0.1", "--compressor", "none", "--ef")
+    alias = run_json(capsys, "--numel", "1000", "--only", "topk:ratio=0.1", "--compressor", "none", "--ef")
+    for rows in (one, repeated, alias):
+        assert [r["spec"] for r in rows] == ["topk:ratio=0.1,ef=true", "none:ef=true"]
+
+
+@pytest.mark.parametrize("flag", ["--compressor", "--only"])
+@pytest.mark.parametrize("value, message", [
+    ("nosuch", "--compressor: unknown compressor(s) nosuch"),
+    ("powersgd:rank=0", "--compressor powersgd:rank=0: powersgd: rank must be"),
+])
+def test_bench_compress_errors_name_the_compressor_flag(capsys, flag, value, message):
+    assert main(["bench", "compress", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err and "--only" not in err
+
+
+def test_bench_compress_help_names_compressor(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "compress", "--help"])
+    assert "--compressor SPEC" in capsys.readouterr().out

@@ -2,18 +2,18 @@
 checked against the ``sim`` backend as the reference, plus failure handling, launcher
 environments and ``spawn_local``.
 
-Each backend test is one launch of ``gradzip.comm._selftest`` (a battery of collectives: allreduce
-of fp32/fp16/bf16/fp64/int/uint8/bool with sum and mean, allgather of per-rank shapes including
-uint8 and empty tensors, broadcast, alltoall of many dtypes and shapes (and its ValueError for a
-first dimension the world size does not divide), split into sub-communicators and a split of a
-split with every op inside, several outstanding async ops, byte accounting, ``same_shape``
-allgathers of many dtypes with their launch properties: one collective and no header exchange,
-counted at the library calls; no blocking at launch while a peer is late; waits in different orders
-without deadlock), followed by a failure phase in which one rank dies or hangs and the others must
-raise a CommError that names it. The 4-rank launches run the failing collective on a
-sub-communicator, whose errors name global ranks; the failing collective is an allreduce, a
-variable-size allgather (Gloo, 2 ranks) or a ``same_shape`` allgather (4 ranks). A hung launch is
-stopped by spawn_local's timeout (and pytest-timeout), so it fails the test.
+Each backend test is one launch of ``gradzip.testing.comm_selftest`` (the battery of collectives of
+``gradzip.testing.comm_battery``: allreduce of fp32/fp16/bf16/fp64/int/uint8/bool with sum and mean,
+allgather of per-rank shapes including uint8 and empty tensors, broadcast, alltoall of many dtypes
+and shapes (and its ValueError for a first dimension the world size does not divide), split into
+sub-communicators and a split of a split with every op inside, several outstanding async ops, byte
+accounting, ``same_shape`` allgathers of many dtypes with their launch properties: one collective
+and no header exchange, counted at the library calls; no blocking at launch while a peer is late;
+waits in different orders without deadlock), followed by a failure phase in which one rank dies or
+hangs and the others must raise a CommError that names it. The 4-rank launches run the failing
+collective on a sub-communicator, whose errors name global ranks; the failing collective is an
+allreduce, a variable-size allgather (Gloo, 2 ranks) or a ``same_shape`` allgather (4 ranks). A hung
+launch is stopped by spawn_local's timeout (and pytest-timeout), so it fails the test.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import torch
 from conftest import mpi_unavailable
 
 from gradzip.comm import detect_launcher_env, expand_nodelist, init_communicator, spawn_local
-from gradzip.comm._selftest import compare, same_shape_input, self_check, sim_reference
 from gradzip.errors import GradzipError
+from gradzip.testing.comm_battery import same_shape_input
+from gradzip.testing.comm_selftest import compare, self_check, sim_reference
 
 FAIL_TIMEOUT = 3.0  # the collective timeout in the failure phase
 LAUNCH_TIMEOUT = 120.0  # a launch that takes longer is stopped (a hang), failing the test
@@ -58,7 +59,7 @@ def _launch(backend: str, n: int, fail: str, out: Path, fail_on: str = "world",
     argv = ["--backend", backend, "--timeout", "60", "--out", str(out), "--fail", fail,
             "--fail-timeout", str(FAIL_TIMEOUT), "--fail-on", fail_on, "--fail-op", fail_op]
     rc = spawn_local(backend, n, argv, env_extra={"OMP_NUM_THREADS": "1"}, timeout=LAUNCH_TIMEOUT,
-                     module="gradzip.comm._selftest", grace=8.0)
+                     module="gradzip.testing.comm_selftest", grace=8.0)
     pts, jsons = {r: out / f"rank{r}.pt" for r in range(n)}, {r: out / f"rank{r}.json" for r in range(n)}
     results = {r: torch.load(p, weights_only=True) for r, p in pts.items() if p.exists()}
     reports = {r: json.loads(p.read_text()) for r, p in jsons.items() if p.exists()}

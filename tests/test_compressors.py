@@ -12,6 +12,7 @@ import io
 import json
 import math
 import typing
+import warnings
 
 import numpy as np
 import pytest
@@ -33,7 +34,9 @@ def _specs() -> list[str]:
     out: list[str] = []
     for name, cls in registry().items():
         for s in (name, f"{name}:ef=true", f"{name}:ef=false") + ((f"{name}:ef=ef21",) if cls.biased else ()):
-            spec = create(s).spec
+            with warnings.catch_warnings():  # EF caveats: tested in test_core.py, not this list's business
+                warnings.simplefilter("ignore")
+                spec = create(s).spec
             if spec not in out:
                 out.append(spec)
     return out + [create(s).spec for s in VARIANTS]
@@ -233,7 +236,7 @@ def _field_cases():
 
 @pytest.mark.parametrize("name,field,typ", list(_field_cases()))
 def test_bad_parameter_values_raise_spec_error(name, field, typ):
-    bad = ["maybe"] if typ is bool else ["abc"] if typ in (int, float) else []
+    bad = ["maybe"] if typ is bool else ["abc"] if typ in (int, float) else ["no-such-value"]
     if field == "ratio":
         bad += ["0", "-0.5", "1.5", "nan"]
     if field == "rank":
@@ -245,6 +248,11 @@ def test_bad_parameter_values_raise_spec_error(name, field, typ):
         assert field in msg and name in msg and "\n" not in msg, msg
         if field == "ratio" and value != "abc":  # numbers out of range: the message gives the range
             assert "0 < ratio <= 1" in msg, msg
+    # a good value (the default) round-trips through the spec, strings (fp8.format) included
+    default = getattr(registry()[name].Config(), field)
+    good = create(f"{name}:{field}={'true' if default is True else 'false' if default is False else default}")
+    assert getattr(good.config, field) == default and create(good.spec).spec == good.spec
+    assert f"{field}={getattr(good.config, field)}".lower() in good.spec
 
 
 @pytest.mark.parametrize("name", list(registry()))
@@ -419,88 +427,6 @@ def test_gradzip_ls_lists_every_compressor(capsys):
         "ratio": 0.01, "ef": False, "exchange": "allgather"}
     assert items["onebit"]["schemes"] == ["allgather", "twophase"]
     assert items["onebit"]["default_exchange"] == "allgather"
-
-
-@pytest.mark.parametrize("spec", EF_SPECS)
-def test_fused_error_feedback_equals_decode_and_subtract(spec, monkeypatch):
-    """Compressors that update the residual in place (Compressor.subtract_sent, compress_subtract) give the same
-    floats, bit for bit, as decoding into a new buffer and subtracting, on gradients with zeros of
-    both signs, infs and NaNs; and a non-finite entry never reaches the memory."""
-    shapes = [(64, 33), (1000,), (7,)]
-
-    def grads(step):
-        gs = [rand(s, seed=100 * step + i) for i, s in enumerate(shapes)]
-        gs[1][:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")]) if step == 1 else gs[1][:4]
-        gs[2][0] = -0.0
-        return gs
-
-    fused, plain = create(spec), create(spec)
-    inner = type(plain.inner)
-    monkeypatch.setattr(plain, "inner", plain.inner)  # instance attribute: patch this object only
-    monkeypatch.setattr(plain.inner, "subtract_sent_batch", lambda *a: False)
-    monkeypatch.setattr(plain.inner, "compress_subtract_batch", lambda *a: None)
-    monkeypatch.setattr(plain.inner, "sent_proves_finite_batch", lambda *a: False)  # always sanitises
-    used, proofs = [], []
-    orig, proof = inner.subtract_sent_batch, inner.sent_proves_finite_batch
-    orig_cs = inner.compress_subtract_batch
-    monkeypatch.setattr(fused.inner, "subtract_sent_batch", lambda *a: used.append(orig(fused.inner, *a)) or used[-1])
-    # the encode and the residual in one pass (1-bit codes, with the C kernels) also counts as fused
-    monkeypatch.setattr(fused.inner, "compress_subtract_batch",
-                        lambda *a: (r := orig_cs(fused.inner, *a)) is not None and used.append(True) or r)
-    monkeypatch.setattr(fused.inner, "sent_proves_finite_batch",
-                        lambda *a: proofs.append(proof(fused.inner, *a)) or proofs[-1])
-    for step in range(3):
-        solo(fused, grads(step))
-        solo(plain, grads(step))
-        for a, b in zip(fused.state_dict()["memory"]["b"], plain.state_dict()["memory"]["b"]):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), spec  # bits, -0.0 included
-            assert torch.isfinite(a).all()
-    if create(spec).inner.name in ("topk", "onebit", "signsgd"):
-        assert used and all(used), f"{spec}: the fused path was not taken"
-        # finite steps skip the sanitising pass; the step with inf and NaN (step 1) does not
-        assert proofs == [True, False, True], f"{spec}: {proofs}"
-
-
-ALLGATHER = [s for s in SINGLE_ROUND if create(s).collective == "allgather"]
-
-
-@pytest.mark.parametrize("spec", ALLGATHER)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("ranks", [7, 8])
-def test_one_pass_aggregation_equals_decode_each_and_aggregate(spec, dtype, ranks):
-    """Compressors that aggregate the ranks' payloads in one pass (Compressor.decode_aggregate) give
-    the same floats as decoding every payload and aggregating, at 8 ranks whose top-k indices
-    overlap; and the exchange takes that path."""
-    shapes = [(64, 33), (1000,), (7,)]
-    comps = [create(spec) for _ in range(ranks)]
-    common = rand((sum(math.prod(s) for s in shapes),), seed=99)  # shared large entries: overlapping indices
-    per_rank, ctx = [], None
-    for w, c in enumerate(comps):
-        noise = rand(common.shape, seed=w)
-        flat = (common * 0.3 + noise).to(dtype)  # votes both ways, and ties at an even rank count
-        tensors = list(torch.split(flat, [math.prod(s) for s in shapes]))
-        payload, ctx = c.compress_batch([t.view(s) for t, s in zip(tensors, shapes)], "b")
-        per_rank.append(tuple(p.clone() for p in payload))
-    c = comps[0]
-    fused = c.decode_aggregate_batch(per_rank, ctx)
-    parts = [c.decompress_batch(p, ctx) for p in per_rank]
-    plain = [c.aggregate([part[i] for part in parts]) for i in range(len(shapes))]
-    if fused is None:
-        taken = create(spec).name in ("topk", "onebit", "threshold", "signsgd") and "ef=ef21" not in spec
-        assert not taken or dtype != torch.float32, f"{spec}: the one-pass path was not taken"
-        return
-    for a, b in zip(fused, plain):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b), spec
-
-
-def test_the_exchange_aggregates_in_one_pass(monkeypatch):
-    from gradzip.compress.topk import TopK
-    calls = []
-    monkeypatch.setattr(TopK, "decompress", lambda *a: calls.append(1) or pytest.fail("decoded per rank"))
-    comps = [create("topk:ratio=0.1,ef=true") for _ in range(4)]
-    out = sim(comps, [[rand((50,), seed=w)] for w in range(4)])
-    assert calls == [] and all(torch.equal(o[0], out[0][0]) for o in out)
 
 
 def test_majority_vote_on_packed_bits_counts_ties_and_abstentions():

@@ -1,5 +1,7 @@
 """Units, cost-model formulas, spec parsing and the CLI's error contract."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -92,3 +94,18 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "invalid choice" in err
+
+
+@pytest.mark.parametrize("spec, caveat", [("qsgd:ef=true", "no contraction"), ("terngrad:ef=true", "no contraction"),
+                                          ("randomk:ef=true", "not a contraction"), ("demo:ef=true", "is ignored")])
+def test_error_feedback_caveats_warn_once(spec, caveat, monkeypatch):
+    """Error feedback where it cannot help warns, once per process (specs are parsed per worker)."""
+    import sys
+
+    reg = sys.modules["gradzip.compress.registry"]  # gradzip.compress.registry is also a function's name
+    monkeypatch.setattr(reg, "_WARNED", set())
+    with pytest.warns(UserWarning, match=caveat):
+        reg.create(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.create(spec)  # the second time: silent

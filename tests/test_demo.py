@@ -1,4 +1,4 @@
-"""DeMo (:mod:`gradzip.compress.demo`, :mod:`gradzip.training.demo_optim`): the chunked DCT against
+"""DeMo (:mod:`gradzip.compress.demo`, :mod:`gradzip.optim.demo`): the chunked DCT against
 scipy and its round trip, the per-chunk top-k, the payload formula against the bytes the engine
 counts, the momentum's error feedback, ``ef=`` ignored, the standalone optimizer against the
 engine path (threaded SimWorld ranks; Gloo/MPI processes are in tests/test_engine_dist.py),
@@ -21,7 +21,7 @@ from test_train import TINY, computed, losses, train_cli
 
 from gradzip.comm.sim import SimWorld
 from gradzip.compress import create, dct
-from gradzip.compress.demo import DeMo as DeMoCompressor
+from gradzip.compress.demo import DeMoCompressor
 from gradzip.engine import attach
 from gradzip.optim import DeMo
 from gradzip.training import checkpoint

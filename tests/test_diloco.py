@@ -18,9 +18,9 @@ from torch import nn
 
 import gradzip
 from gradzip.cli import main
-from gradzip.cluster.sync import parse_sync
 from gradzip.comm.sim import SimWorld
 from gradzip.errors import GradzipError, SpecError
+from gradzip.plan.sync import parse_sync
 from gradzip.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]

@@ -46,6 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_plots import write_run
+
+from gradzip.cli import main
+from gradzip.plots.results import LossTarget, load_runs
+from gradzip.plots.table import results_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -190,6 +195,7 @@ def _is_python(t: list[str], *args: str) -> bool:
 # Commands that are not gradzip's: never run here, and nothing of gradzip's to parse.
 EXTERNAL: list[tuple[Callable[[list[str]], bool], str]] = [
     (lambda t: _is_python(t, "-m", "venv"), "creates a virtual environment"),
+    (lambda t: t[0] in ("source", ".") and t[1:2] == [".venv/bin/activate"], "activates the virtual environment"),
     (lambda t: Path(t[0]).name in ("pip", "pip3") or _is_python(t, "-m", "pip"), "installs packages"),
     (lambda t: _is_python(t, "-m", "pytest") or Path(t[0]).name == "pytest", "runs the test suite itself"),
     (lambda t: Path(t[0]).name == "ruff", "the linter"),
@@ -604,3 +610,234 @@ def test_mkdocs_build_strict(tmp_path):
         assert html.is_file(), f"README.md links to docs/{page}.md, which is not a page of the site"
         assert not anchor or f'id="{anchor}"' in html.read_text(encoding="utf-8"), \
             f"README.md links to docs/{page}.md#{anchor}: no such anchor"
+
+
+def test_help_lists_every_bench_subcommand(capsys):
+    """The ``bench`` line of ``gradzip --help`` names the benchmarks the ``bench`` parser has, in order."""
+    from gradzip.cli import build_parser, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if re.match(r"^\s+bench\s", line))
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    text = lines[at].split(None, 1)[1]
+    for line in lines[at + 1:]:  # argparse wraps a long help onto deeper-indented lines
+        if not line.strip() or len(line) - len(line.lstrip()) <= indent:
+            break
+        text += " " + line.strip()
+    listed = [w.strip() for w in text.split(":", 1)[1].split(",")]
+
+    def subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+    assert listed == list(subparsers(subparsers(build_parser())["bench"])), \
+        f"gradzip --help lists the benchmarks {listed}"
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_readme_shows_one_hero_figure_and_the_gallery_holds_the_rest():
+    """The README is a front page: one figure, and a link to the gallery (docs/reproductions.md),
+    which shows that figure too; every figure the gallery shows exists."""
+    text = README.read_text(encoding="utf-8")
+    hero = IMAGE.findall(text)
+    assert len(hero) == 1, f"README.md shows {len(hero)} figures: keep one, move the rest to docs/reproductions.md"
+    assert "](docs/reproductions.md" in text, "README.md must link to the gallery, docs/reproductions.md"
+    gallery = REPO / "docs" / "reproductions.md"
+    shown = [(gallery.parent / p).resolve() for p in IMAGE.findall(gallery.read_text(encoding="utf-8"))]
+    assert (REPO / hero[0]).resolve() in shown, "docs/reproductions.md must show the README's figure too"
+    assert not (missing := [str(p) for p in shown if not p.is_file()]), f"no such figures: {missing}"
+
+
+def test_compressors_page_lists_every_capability_the_contract_declares():
+    """docs/compressors.md's capability table names exactly the class attributes that
+    gradzip/compress/base.py declares as capabilities (CAPABILITIES), no more, no fewer."""
+    from gradzip.compress.base import CAPABILITIES, Compressor
+
+    text = (REPO / "docs" / "compressors.md").read_text(encoding="utf-8")
+    section = text.split("\n### Capabilities\n", 1)[1].split("\n#", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    assert sorted(listed) == sorted(CAPABILITIES), f"docs/compressors.md lists {listed}; the code: {CAPABILITIES}"
+    assert len(listed) == len(set(listed)) and all(hasattr(Compressor, c) for c in listed)
+
+
+# ---------------------------------------------------------------------- sample outputs
+# The sample outputs the README and the manual show are what the commands print.
+#
+# - **`gradzip simulate`** (cheap, so it runs here, in this process): after each ``bash`` block that
+#   holds one ``gradzip simulate`` command,
+#
+#   * a ``text`` block is its output, verbatim;
+#   * a table shows rows and columns of the table it prints: every heading is one of the printed
+#     column names and every cell the printed value. A table with fewer rows or columns than printed
+#     says so just above it, "N of the M rows" / "N of the M columns" with M the printed count;
+#   * the projection table of docs/simulator.md has columns of its own (days at two overlaps): it is
+#     checked by ``tests/test_docs.py::test_projection_table_is_what_the_simulator_prints``.
+#
+# - **Committed results** (a training run is minutes, so it does not run here): a sample preceded by
+#   ``<!-- from: PATH -->`` shows the table of PATH, a results file under docs/reproductions/: its
+#   table lines, verbatim and in order. The quickstart results there were written by the shipped
+#   spec as it is now (the directory keeps the ``spec.toml`` that ``gradzip run`` wrote), and their
+#   columns are the ones ``gradzip plot`` writes today.
+SAMPLE_PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+FROM = re.compile(r"^<!--\s*from:\s*(\S+)\s*-->[ \t]*$", re.M)
+CHECKED_ELSEWHERE = ("days (overlap 0)",)  # docs/simulator.md's projection: checked above
+NUMBER_WORDS = {w: i for i, w in enumerate(("zero one two three four five six seven eight nine ten eleven "
+                                            "twelve thirteen fourteen fifteen").split())}
+
+
+def _rel(page: Path) -> str:
+    return page.relative_to(REPO).as_posix()
+
+
+# ---------------------------------------------------------------------------- gradzip simulate
+def _simulate_samples() -> list[tuple[str, list[str], str, str, str]]:
+    """(where, argv, kind, label, sample) for every sample that follows a `gradzip simulate` block."""
+    out = []
+    for page in SAMPLE_PAGES:
+        text = page.read_text(encoding="utf-8")
+        for m in FENCE.finditer(text):
+            code = re.sub(r"\\\n", " ", m.group(2))
+            cmds = [c for c in code.splitlines() if c.strip().startswith("gradzip simulate")]
+            if m.group(1) != "bash" or len(cmds) != 1 or "--json" in cmds[0]:
+                continue
+            after = text[m.end():]
+            stop = re.search(r"^(#|```)", after, re.M)
+            where = f"{_rel(page)}:{text.count(chr(10), 0, m.start()) + 1}"
+            argv = shlex.split(cmds[0].split("#")[0])[1:]
+            prose = after[:stop.start()] if stop else after
+            if stop and after[stop.start():].startswith("```text"):
+                block = FENCE.match(after, stop.start())
+                out.append((where, argv, "text", prose, block.group(2) if block else ""))
+            elif (table := re.search(r"^\|.*(?:\n\|.*)*", prose, re.M)) and \
+                    not any(h in table.group(0).splitlines()[0] for h in CHECKED_ELSEWHERE):
+                out.append((where, argv, "table", prose[:table.start()], table.group(0)))
+    return out
+
+
+SIMULATE = _simulate_samples()
+
+
+def _printed(argv: list[str], capsys) -> str:
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def _printed_table(out: str) -> tuple[list[str], list[list[str]]]:
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.split()[:1] == ["compressor"])
+    header = lines[start].split()
+    rows = []
+    for ln in lines[start + 1:]:
+        cells = ln.split()
+        if len(cells) != len(header):
+            break
+        rows.append(cells)
+    return header, rows
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+
+
+def _count_said(label: str, what: str) -> tuple[int, int] | None:
+    """(N, M) from "N of the M rows" in the label above a table (N in digits or words)."""
+    m = re.search(rf"(\w+) of the (\d+) {what}\b", label)
+    if not m:
+        return None
+    n = int(m[1]) if m[1].isdigit() else NUMBER_WORDS.get(m[1].lower(), -1)
+    return n, int(m[2])
+
+
+def test_there_are_simulate_samples():
+    kinds = {(w.split(":")[0], k) for w, _, k, _, _ in SIMULATE}
+    assert {("README.md", "table"), ("docs/simulator.md", "text")} <= kinds, kinds
+
+
+@pytest.mark.parametrize(("where", "argv", "kind", "label", "sample"), SIMULATE, ids=[s[0] for s in SIMULATE])
+def test_simulate_sample_is_what_it_prints(where, argv, kind, label, sample, capsys):
+    out = _printed(argv, capsys)
+    if kind == "text":
+        got = [ln.rstrip() for ln in out.strip("\n").splitlines()]
+        assert [ln.rstrip() for ln in sample.strip("\n").splitlines()] == got, \
+            f"{where}: the text block after the command is not what it prints now; paste:\n" + "\n".join(got)
+        return
+    lines = sample.splitlines()
+    head = _cells(lines[0])
+    header, rows = _printed_table(out)
+    unknown = [h for h in head if h not in header]
+    assert not unknown, f"{where}: the table has columns the command does not print: {unknown} (printed: {header}; " \
+                        "--json fields belong in the text, not the table)"
+    keys = [h for h in ("compressor", "sync") if h in head]
+    by_key = {tuple(r[header.index(k)] for k in keys): r for r in rows}
+    shown = [_cells(ln) for ln in lines[2:]]
+    for cells in shown:
+        row = by_key.get(tuple(cells[head.index(k)] for k in keys))
+        assert row is not None, f"{where}: the command prints no row {cells[:len(keys)]}"
+        want = [row[header.index(h)] for h in head]
+        assert cells == want, f"{where}: row {cells[0]} is now | {' | '.join(want)} |"
+    for what, n_shown, n_printed in (("rows", len(shown), len(rows)), ("columns", len(head), len(header))):
+        if n_shown < n_printed:
+            assert _count_said(label, what) == (n_shown, n_printed), \
+                f"{where}: the table shows {n_shown} of the {n_printed} {what} printed; say so above it " \
+                f"(\"{n_shown} of the {n_printed} {what}\")"
+
+
+# ---------------------------------------------------------------------------- committed results
+def _from_samples() -> list[tuple[str, Path, list[str]]]:
+    out = []
+    for page in SAMPLE_PAGES:
+        text = page.read_text(encoding="utf-8")
+        for m in FROM.finditer(text):
+            where = f"{_rel(page)}:{text.count(chr(10), 0, m.start()) + 1}"
+            after = text[m.end():].lstrip("\n")
+            block = FENCE.match(after)
+            body = block.group(2) if block else re.match(r"(\|.*\n?)*", after).group(0)
+            out.append((where, REPO / m[1], [ln for ln in body.splitlines() if ln.startswith("|")]))
+    return out
+
+
+FROM_SAMPLES = _from_samples()
+
+
+def test_the_quickstart_sample_names_its_source():
+    assert any(w.startswith("docs/experiments.md") and p.parent.name == "quickstart" for w, p, _ in FROM_SAMPLES)
+
+
+@pytest.mark.parametrize(("where", "path", "table"), FROM_SAMPLES, ids=[s[0] for s in FROM_SAMPLES])
+def test_sample_is_the_committed_table(where, path, table):
+    assert path.is_file(), f"{where}: <!-- from: {path.relative_to(REPO)} --> names no file"
+    committed = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.startswith("|")]
+    assert table, f"{where}: no table after the <!-- from: --> marker"
+    assert table == committed, f"{where}: the sample is not the table of {path.relative_to(REPO)}; paste:\n" + \
+        "\n".join(committed)
+
+
+def test_quickstart_results_come_from_the_shipped_spec():
+    """A changed spec (steps, lr, seed, compressors) changes every number: run it again and commit
+    its results.md, results.csv and spec.toml (docs/experiments.md says how)."""
+    kept = REPO / "docs" / "reproductions" / "quickstart" / "spec.toml"
+    shipped = REPO / "gradzip" / "experiments" / "specs" / "quickstart.toml"
+    assert tomllib.loads(kept.read_text(encoding="utf-8")) == tomllib.loads(shipped.read_text(encoding="utf-8")), \
+        "gradzip/experiments/specs/quickstart.toml changed since docs/reproductions/quickstart/ was written"
+
+
+def test_quickstart_results_have_todays_columns(tmp_path):
+    """The committed table's header is the one ``gradzip plot`` writes now for runs like the
+    quickstart's (accuracies reported, a loss target): synthetic runs, the real table code."""
+    spec = tomllib.loads((REPO / "gradzip/experiments/specs/quickstart.toml").read_text(encoding="utf-8"))
+    for c in ("none", "fp16", "topk:ratio=0.01,ef=true"):
+        d = tmp_path / f"compressor={c.replace(':', '-').replace(',', '-')}"
+        write_run(d, c, "1gbit", 4)
+        summary = json.loads((d / "summary.json").read_text())
+        summary.update(final_eval_mlm_acc=0.06, final_eval_nsp_acc=0.55)
+        (d / "summary.json").write_text(json.dumps(summary))
+    target = LossTarget(loss=spec["target"]["loss"], metric=spec["target"]["metric"])
+    fresh = results_markdown(load_runs(tmp_path), target).splitlines()[:2]
+    committed = [ln for ln in (REPO / "docs/reproductions/quickstart/results.md").read_text().splitlines()
+                 if ln.startswith("|")][:2]
+    assert committed == fresh, "the results table's columns changed: run `gradzip run quickstart` again and " \
+                               "commit its results (docs/experiments.md)"

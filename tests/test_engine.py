@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from gradzip.cluster.buckets import MiB
 from gradzip.cluster.schedule import BucketTiming, model_step
 from gradzip.comm import cost
 from gradzip.comm.sim import SimWorld
@@ -19,6 +18,7 @@ from gradzip.compress import create, registry
 from gradzip.engine import StepStats, attach
 from gradzip.engine.handshake import check_agreement, fingerprint
 from gradzip.errors import GradzipError
+from gradzip.plan.buckets import MiB
 
 
 class Net(nn.Module):

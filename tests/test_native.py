@@ -1,5 +1,6 @@
-"""The fused C kernels (gradzip.compress.native) give the same bits as the numpy/torch path they
-replace, and gradzip falls back to that path, saying why, when they cannot be built."""
+"""The fused C kernels (gradzip.compress.native, and DiLoCo's outer step in gradzip.engine.outer_step)
+give the same bits as the numpy/torch path they replace, and gradzip falls back to that path, saying
+why, when they cannot be built."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from gradzip.compress import create, native
 from gradzip.compress.bitpack import pack_signs, sum_signs
 from gradzip.compress.select import _at_least, topk_indices
+from gradzip.engine import outer_step
 
 needs_kernels = pytest.mark.skipif(native.lib() is None, reason=native.status())
 
@@ -172,7 +174,7 @@ def test_kernels_split_over_threads_give_the_same_bits(n, monkeypatch):
     monkeypatch.setattr(native, "PARALLEL_MIN", 8)
     try:
         torch.set_num_threads(3)
-        parts = native._parts(n, 64)
+        parts = native.ranges(n, 64)
         assert len(parts) <= 3 and (len(parts) > 1) == (n > 64) and parts[-1][1] == n
         many = all_three()
     finally:
@@ -281,7 +283,7 @@ def test_scalar_paths_of_a_build_without_avx2_give_the_same_bits(monkeypatch, tm
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-needs_outer = pytest.mark.skipif(not native.outer_sgd_ready(), reason="the outer-step kernel needs the kernels "
+needs_outer = pytest.mark.skipif(not outer_step.outer_sgd_ready(), reason="the outer-step kernel needs the kernels "
                                  "built with FMA and torch on its AVX2/AVX-512 CPU kernels")
 SGD_CONFIGS = [dict(lr=0.7, momentum=0.9, nesterov=True), dict(lr=1.0), dict(lr=0.5, momentum=0.8, dampening=0.1),
                dict(lr=0.3, momentum=0.9, nesterov=True, weight_decay=0.01), dict(lr=0.2, momentum=0.5)]
@@ -307,7 +309,8 @@ def test_outer_sgd_kernel_is_torch_sgd_bit_for_bit(config, threads, monkeypatch)
                 p.grad = grad.clone()
                 opt.step()
                 kept = grad.clone()
-                assert native.outer_sgd(theta, grad, buf, native.sgd_scalars(opt.param_groups[0]), step == 0, targets)
+                scalars = outer_step.sgd_scalars(opt.param_groups[0])
+                assert outer_step.outer_sgd(theta, grad, buf, scalars, step == 0, targets)
                 assert torch.equal(grad, kept)  # the gradient is read, not written
                 assert (bits(theta) == bits(p.detach())).all()
                 assert all((bits(t) == bits(theta)).all() for t in targets)
@@ -319,13 +322,13 @@ def test_outer_sgd_kernel_is_torch_sgd_bit_for_bit(config, threads, monkeypatch)
 
 @needs_outer
 def test_outer_sgd_kernel_refuses_what_it_cannot_take():
-    scalars = native.sgd_scalars(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0).param_groups[0])
+    scalars = outer_step.sgd_scalars(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0).param_groups[0])
     x = torch.zeros(8)
-    assert not native.outer_sgd(x, torch.zeros(7), None, scalars, False, [])  # sizes differ
-    assert not native.outer_sgd(x, torch.zeros(8, dtype=torch.float64), None, scalars, False, [])
-    assert not native.outer_sgd(x, torch.zeros(16)[::2], None, scalars, False, [])  # not contiguous
+    assert not outer_step.outer_sgd(x, torch.zeros(7), None, scalars, False, [])  # sizes differ
+    assert not outer_step.outer_sgd(x, torch.zeros(8, dtype=torch.float64), None, scalars, False, [])
+    assert not outer_step.outer_sgd(x, torch.zeros(16)[::2], None, scalars, False, [])  # not contiguous
     with numpy_path():
-        assert not native.outer_sgd_ready()
+        assert not outer_step.outer_sgd_ready()
 
 
 @needs_kernels

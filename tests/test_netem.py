@@ -342,7 +342,7 @@ def test_mpi_ranks_run_one_per_host_over_the_testbed(prefix):
     t, _ = tb.up(2, Shaping(200e6), prefix=prefix)
     before = tb.counters(t)
     rc = spawn_mpi(t, 2, ["--backend", "mpi", "--check", "--timeout", "60"], {}, timeout=100,
-                   module="gradzip.comm._selftest")
+                   module="gradzip.testing.comm_selftest")
     after = tb.counters(t)
     assert rc == 0
     assert all(a.tx_bytes - b.tx_bytes > 10_000 for a, b in zip(after, before))

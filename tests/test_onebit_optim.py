@@ -1,4 +1,4 @@
-"""1-bit Adam and 1-bit LAMB (:mod:`gradzip.training.onebit_optim`): the engine delivers the
+"""1-bit Adam and 1-bit LAMB (:mod:`gradzip.optim.onebit`): the engine delivers the
 average of the workers' local momenta once warm-up is over, the variance stays frozen, warm-up is
 Adam, the bytes drop to the compressed momentum's at the freeze, and ``gradzip train`` resumes
 bit for bit on either side of the freeze."""
@@ -12,9 +12,10 @@ from test_train import TINY, computed, train_cli
 
 from gradzip.comm.sim import SimWorld
 from gradzip.engine import attach
+from gradzip.optim.build import param_groups
+from gradzip.optim.lamb import ADAM_BETAS, ADAM_EPS
+from gradzip.optim.onebit import OneBitAdam
 from gradzip.training.metrics import read_metrics
-from gradzip.training.onebit_optim import OneBitAdam
-from gradzip.training.optim import ADAM_BETAS, ADAM_EPS, param_groups
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ import pytest
 
 from gradzip.cli import main
 from gradzip.cluster.schedule import BucketTiming, model_step
-from gradzip.plots.figures import crossover
+from gradzip.plots.cost import crossover
 from gradzip.plots.report import make_report
-from gradzip.plots.results import FIGURES, Target, load_runs
+from gradzip.plots.results import FIGURES, LossTarget, load_runs
 from gradzip.plots.table import results_csv, results_markdown
 
 RATIO = {"none": 1.0, "fp16": 2.0, "topk:ratio=0.01,ef=true": 50.0}
@@ -178,14 +178,14 @@ def test_time_to_target_on_smoothed_training_loss(tmp_path):
     write_run(tmp_path / "r", "none", "1gbit", 2)
     run = load_runs(tmp_path / "r").runs[0]
     raw = [m["loss"] for m in run.train_rows]
-    step, t = run.time_to_target(Target(4.0, "loss", 0.0))  # no smoothing: first raw loss <= 4
+    step, t = run.time_to_target(LossTarget(4.0, "loss", 0.0))  # no smoothing: first raw loss <= 4
     first = next(i for i, x in enumerate(raw) if x <= 4.0)
     assert step == first + 1 and t == pytest.approx(run.times()[first])
-    assert run.time_to_target(Target(0.5, "loss", 0.9)) is None  # never reached
+    assert run.time_to_target(LossTarget(0.5, "loss", 0.9)) is None  # never reached
     # smoothed: the bias-corrected EMA of the raw losses (the curve the loss figures draw)
     acc, smoothed = 0.0, []
     for i, x in enumerate(raw, 1):
         acc = 0.8 * acc + 0.2 * x
         smoothed.append(acc / (1 - 0.8**i))
     first = next(i for i, x in enumerate(smoothed) if x <= 4.0)
-    assert run.time_to_target(Target(4.0, "loss", 0.8))[0] == first + 1 > 1
+    assert run.time_to_target(LossTarget(4.0, "loss", 0.8))[0] == first + 1 > 1

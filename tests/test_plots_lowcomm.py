@@ -21,7 +21,7 @@ from gradzip.errors import SpecError
 from gradzip.experiments.spec import load_spec
 from gradzip.plots.lowcomm import bytes_points, config_label, pareto_front, target_rows
 from gradzip.plots.report import make_report
-from gradzip.plots.results import FIGURES, Target, load_runs
+from gradzip.plots.results import FIGURES, LossTarget, load_runs
 from gradzip.plots.retime import bandwidth_columns, retimed_wall, time_to_target_at
 from gradzip.plots.seeds import Stat
 from gradzip.plots.table import results_csv, results_markdown
@@ -117,14 +117,14 @@ def test_retiming_by_hand_on_three_steps(tmp_path):
     # 10 Gbit/s: it shrinks by 0.036 s; step 3's 0.01 s exposed cannot go below 0
     assert retimed_wall(run, 1e10) == pytest.approx([0.144, 0.264, 0.394])
     assert retimed_wall(run, 1e9) == pytest.approx(run.times(), abs=1e-15)  # B = B0: the run's own clock
-    loss = Target(3.5, "loss", 0.0)  # raw training loss: reached at step 3
+    loss = LossTarget(3.5, "loss", 0.0)  # raw training loss: reached at step 3
     assert run.time_to_target(loss) == (3, pytest.approx(0.44))
     assert time_to_target_at(run, loss, 1e8) == pytest.approx(1.16)
     assert time_to_target_at(run, loss, 1e9) == pytest.approx(0.44)
     assert time_to_target_at(run, loss, 1e10) == pytest.approx(0.394)
-    ev = Target(3.2, "eval_loss")  # the eval at step 2
+    ev = LossTarget(3.2, "eval_loss")  # the eval at step 2
     assert time_to_target_at(run, ev, 1e8) == pytest.approx(0.66)
-    assert time_to_target_at(run, Target(2.0, "loss", 0.0), 1e8) is None  # never reached
+    assert time_to_target_at(run, LossTarget(2.0, "loss", 0.0), 1e8) is None  # never reached
 
 
 def test_runs_that_cannot_be_retimed(tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 from gradzip.cli import main
 from gradzip.cluster import simulate as sim
+from gradzip.cluster.simulate_cli import codec_for
 from gradzip.compress.registry import create, registry
 from gradzip.models import bert_config, num_parameters
 
@@ -233,12 +234,12 @@ def test_encode_cost_from_bench_json(tmp_path):
             {"name": "fp16", "spec": "fp16", "numel": 2000, "compress_s": 1e-6, "decompress_s": 3e-6}]
     f = tmp_path / "bench.json"
     f.write_text(json.dumps(rows))
-    c = sim.codec_for("topk:ratio=0.1,ef=true", str(f), None)
+    c = codec_for("topk:ratio=0.1,ef=true", str(f), None)
     assert c.encode_s == pytest.approx(8e-9) and c.aggregate_s == pytest.approx(4e-9)
-    c = sim.codec_for("fp16", str(f), None)
+    c = codec_for("fp16", str(f), None)
     assert c.encode_s == pytest.approx(2e-9) and c.aggregate_s == pytest.approx(1.5e-9)
-    assert sim.codec_for("none", str(f), None).encode_s == 0.0  # nothing to encode
-    c = sim.codec_for("fp16", "3e-9", "1e-9")
+    assert codec_for("none", str(f), None).encode_s == 0.0  # nothing to encode
+    c = codec_for("fp16", "3e-9", "1e-9")
     assert (c.encode_s, c.aggregate_s) == (3e-9, 1e-9)
 
 

@@ -237,3 +237,12 @@ compressor = ["topk:ratio=0.1,ef=true"]
     summary = json.loads((out / cell["name"] / "summary.json").read_text())
     assert (cell["status"], summary["backend"], summary["workers"], summary["clock"]) == ("done", "gloo", 2, "measured")
     assert summary["steps"] == 2 and summary["bytes_per_step"] > 0
+
+
+def test_run_list_prints_no_warning(capsys):
+    """A cell's caveats (e.g. error feedback on an unbiased compressor) belong to running it."""
+    from gradzip.cli import main as cli_main
+
+    assert cli_main(["run", "--list"]) == 0
+    out, err = capsys.readouterr()
+    assert "quickstart" in out and "warning" not in (out + err).lower()

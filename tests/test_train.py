@@ -16,11 +16,13 @@ import torch
 
 from gradzip.cli import build_parser, main
 from gradzip.errors import GradzipError
+from gradzip.optim.build import build_optimizer, param_groups
+from gradzip.optim.lamb import Lamb, trust_ratio
 from gradzip.training import checkpoint
 from gradzip.training.cli import config_from_args
 from gradzip.training.config import TrainConfig, load_toml, write_toml
 from gradzip.training.metrics import read_metrics, truncate_metrics
-from gradzip.training.optim import Lamb, WarmupDecay, build_optimizer, param_groups, trust_ratio
+from gradzip.training.schedule import WarmupDecay
 
 # Tiny settings shared by the training tests: bert-tiny (asking for its default vocabulary, so that
 # every test shares one cached tokenizer and example set) on short sequences; `tiny` adds the corpus.
@@ -480,3 +482,54 @@ def test_exchange_applies_to_the_spec_the_optimizer_sends():
     assert TrainConfig(optimizer="onebit-lamb", exchange="allgather").spec == "onebit:exchange=allgather"
     with pytest.raises(GradzipError, match="demo supports exchange=allgather"):
         TrainConfig.from_dict({"optimizer": "demo", "exchange": "twophase"})
+
+
+def test_resume_into_no_run_is_an_error_and_auto_starts_fresh(tmp_path, tiny, capsys):
+    """--resume into a missing, empty or mistyped --out: one line, exit 2, nothing created. --resume
+    auto starts a fresh run there instead, says so in one line, and then resumes it like --resume."""
+    missing, empty = tmp_path / "tpyo", tmp_path / "empty"
+    empty.mkdir()
+    for out, what in ((missing, "does not exist"), (empty, "is empty")):
+        assert train_cli(*tiny, "--steps", "2", "--out", str(out), "--resume") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out {out} {what}, so there is no run to continue" in err
+        assert "--resume auto" in err and "Traceback" not in err
+    assert not missing.exists() and not any(empty.iterdir())
+    with pytest.raises(SystemExit) as e:
+        train_cli(*tiny, "--steps", "2", "--out", str(missing), "--resume", "bogus")
+    assert e.value.code == 2 and "'auto'" in capsys.readouterr().err and not missing.exists()
+
+    full, auto = tmp_path / "full", tmp_path / "auto"
+    assert train_cli(*tiny, "--steps", "4", "--out", str(full)) == 0
+    assert train_cli(*tiny, "--steps", "4", "--stop-at", "2", "--out", str(auto), "--resume", "auto") == 0
+    err = capsys.readouterr().err
+    assert err.count("--resume auto:") == 1 and f"{auto} does not exist; starting a fresh run there" in err
+    assert train_cli("--out", str(auto), "--resume", "auto") == 0  # now there is a run: it continues
+    assert "--resume auto:" not in capsys.readouterr().err
+    assert [r[:-1] for r in computed(auto)] == [r[:-1] for r in computed(full)]  # eval: also at --stop-at
+
+
+def test_resume_auto_restarts_a_run_killed_before_its_first_checkpoint(tmp_path, tiny, capsys):
+    full, run = tmp_path / "full", tmp_path / "run"
+    assert train_cli(*tiny, "--steps", "3", "--out", str(full)) == 0
+    assert train_cli(*tiny, "--steps", "3", "--checkpoint-every", "0", "--stop-at", "2", "--out", str(run)) == 0
+    for ckpt in run.glob("ckpt-*.pt"):  # as if killed before the first checkpoint
+        ckpt.unlink()
+    assert train_cli("--out", str(run), "--resume") == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert train_cli("--out", str(run), "--resume", "auto") == 0
+    assert f"{run} holds no checkpoint; starting a fresh run there" in capsys.readouterr().err
+    assert [r[0] for r in computed(run)] == [1, 2, 3]
+    assert [r[:-1] for r in computed(run)] == [r[:-1] for r in computed(full)]
+
+
+def test_names_are_echoed_in_their_registered_spelling(tmp_path, tiny):
+    """topK, FP16, Bert-Tiny: accepted, and written back as the registry spells them."""
+    cfg = TrainConfig.from_dict({"compressor": "topK:Ratio=0.01,EF=true", "model": "Bert-Tiny", "precision": "FP32",
+                                 "exchange": "AllGather"})
+    assert (cfg.compressor, cfg.model, cfg.precision, cfg.exchange) == ("topk:ratio=0.01,ef=true", "bert-tiny",
+                                                                        "fp32", "allgather")
+    out = tmp_path / "run"
+    assert train_cli(*tiny, "--steps", "1", "--compressor", "FP16", "--out", str(out)) == 0
+    assert load_toml(out / "config.toml")["compressor"] == "fp16"
+    assert json.loads((out / "summary.json").read_text())["compressor"] == "fp16"

@@ -48,6 +48,7 @@ import torch
 
 from gradzip.compress import create, native, registry
 from gradzip.compress.base import Compressor
+from gradzip.compress.fastpaths import DecodeAggregate
 from gradzip.errors import GradzipError, SpecError
 
 PARAMS = {"topk": "ratio=0.01", "randomk": "ratio=0.01", "powersgd": "rank=4"}
@@ -65,8 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "see --stat (default: 5)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="statistic of the timed runs (min is robust on a loaded machine; default: median)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="benchmark only these compressors; a full "
-                        "spec (e.g. powersgd:rank=4,residual=reduced) sets their parameters")
+    parser.add_argument("--compressor", "--only", dest="compressors", nargs="+", action="extend", metavar="SPEC",
+                        help="benchmark only these compressors: --compressor onebit topk, or the flag repeated as "
+                        "in simulate (--only: the same); a full spec (e.g. powersgd:rank=4,residual=reduced) sets "
+                        "their parameters")
     parser.add_argument("--ef", action="store_true", help="wrap every compressor in error feedback "
                         "(default: the bare compressors)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -103,11 +106,12 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, AssertionError) as e:
         raise GradzipError(f"--device {args.device!r} is not usable here: {str(e).splitlines()[0]}") from None
     names = list(registry())
-    unknown = sorted({o.split(":")[0] for o in args.only or []} - set(names))
+    unknown = sorted({o.split(":")[0] for o in args.compressors or []} - set(names))
     if unknown:
-        raise GradzipError(f"unknown compressor(s) {', '.join(unknown)} for --only; choose from: {', '.join(names)}")
+        raise GradzipError(f"--compressor: unknown compressor(s) {', '.join(unknown)}; choose from: "
+                           f"{', '.join(names)} (gradzip ls lists them)")
     specs = []
-    for item in args.only or names:
+    for item in args.compressors or names:
         name, _, given = item.partition(":")
         params = given.split(",") if given else [PARAMS[name]] if name in PARAMS else []
         if not any(p.startswith("ef=") for p in params):
@@ -116,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         try:  # a bad spec is bad input: one line before anything is timed
             create(specs[-1][1])
         except SpecError as e:
-            raise GradzipError(f"--only {item}: {e}") from None
+            raise GradzipError(f"--compressor {item}: {e}") from None
     rows, failed = [], False
     for name, spec in specs:
         try:
@@ -229,7 +233,7 @@ def _aggregation(spec: str, numel: int, ranks: int, device: torch.device) -> dic
         c.aggregate([part[0] for part in parts])
 
     def aggregate() -> None:  # what the exchange runs: the one-pass path where the compressor has one
-        if c.decode_aggregate_batch(payloads, ctx) is None:
+        if not isinstance(c, DecodeAggregate) or c.decode_aggregate_batch(payloads, ctx) is None:
             each()
 
     return {"decode_s": lambda: c.decompress_batch(payloads[0], ctx), "aggregate_s": aggregate,

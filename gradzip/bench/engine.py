@@ -150,78 +150,99 @@ def allreduce_seconds_per_step(engine: Any, n: int, link: cost.Link) -> float:
 
 
 # ------------------------------------------------------------------ one rank
-def _rank_main(args: argparse.Namespace) -> int:
-    torch.set_num_threads(1)
-    comm = init_communicator("gloo", timeout=900.0)
-    rank, n = comm.rank, comm.world_size
-    proto = build_model(args.model, args.seq)
-    batch = make_batch(proto, args.batch, args.seq, seed=rank)
+def _clone(proto: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    m = build_model(args.model, args.seq)
+    m.load_state_dict(proto.state_dict())
+    return m
+
+
+def _fwd_bwd(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+
+
+def _timed(comm: Communicator, step: Callable[[], None], k: int) -> list[float]:
+    """``k`` runs of ``step``, each after a barrier: their seconds."""
+    out = []
+    for _ in range(k):
+        comm.barrier()
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _configurations(args: argparse.Namespace, comm: Communicator, proto: torch.nn.Module,
+                    batch: dict[str, torch.Tensor]) -> tuple[dict[str, Callable[[], None]], Any, Any]:
+    """One step per configuration compared (compute, ddp, gradzip, ddp-powersgd, gradzip-powersgd),
+    each on its own copy of ``proto``: (the steps, the engine with ``none``, the PowerSGD hook's
+    state, which must outlive the steps)."""
     models: dict[str, torch.nn.Module] = {}
     steps: dict[str, Callable[[], None]] = {}
-
-    def clone() -> torch.nn.Module:
-        m = build_model(args.model, args.seq)
-        m.load_state_dict(proto.state_dict())
-        return m
-
-    def fwd_bwd(model: torch.nn.Module) -> None:
-        model.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-
-    models["compute"] = clone()
-    steps["compute"] = lambda: fwd_bwd(models["compute"])
-    models["ddp"] = DDP(clone(), bucket_cap_mb=args.bucket_cap_mb)
-    steps["ddp"] = lambda: fwd_bwd(models["ddp"])
-    models["gradzip"] = clone()
+    models["compute"] = _clone(proto, args)
+    steps["compute"] = lambda: _fwd_bwd(models["compute"], batch)
+    models["ddp"] = DDP(_clone(proto, args), bucket_cap_mb=args.bucket_cap_mb)
+    steps["ddp"] = lambda: _fwd_bwd(models["ddp"], batch)
+    models["gradzip"] = _clone(proto, args)
     eng_none = attach(models["gradzip"], "none", comm, bucket_cap_mb=args.bucket_cap_mb)
-    steps["gradzip"] = lambda: (fwd_bwd(models["gradzip"]), eng_none.finalize())  # type: ignore[func-returns-value]
-    models["ddp-powersgd"] = DDP(clone(), bucket_cap_mb=args.bucket_cap_mb)
+    steps["gradzip"] = lambda: (_fwd_bwd(models["gradzip"], batch), eng_none.finalize())  # type: ignore[func-returns-value]
+    models["ddp-powersgd"] = DDP(_clone(proto, args), bucket_cap_mb=args.bucket_cap_mb)
     state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
                                min_compression_rate=2, use_error_feedback=True, warm_start=True,
                                batch_tensors_with_same_shape=True)
     models["ddp-powersgd"].register_comm_hook(state, psgd.powerSGD_hook)
-    steps["ddp-powersgd"] = lambda: fwd_bwd(models["ddp-powersgd"])
-    models["gradzip-powersgd"] = clone()
+    steps["ddp-powersgd"] = lambda: _fwd_bwd(models["ddp-powersgd"], batch)
+    models["gradzip-powersgd"] = _clone(proto, args)
     eng_psgd = attach(models["gradzip-powersgd"], args.powersgd, comm, bucket_cap_mb=args.bucket_cap_mb)
-    steps["gradzip-powersgd"] = lambda: (fwd_bwd(models["gradzip-powersgd"]),  # type: ignore[func-returns-value]
+    steps["gradzip-powersgd"] = lambda: (_fwd_bwd(models["gradzip-powersgd"], batch),  # type: ignore[func-returns-value]
                                          eng_psgd.finalize())
+    return steps, eng_none, state
 
-    def timed(name: str, k: int) -> list[float]:
-        out = []
-        for _ in range(k):
-            comm.barrier()
-            t0 = time.perf_counter()
-            steps[name]()
-            out.append(time.perf_counter() - t0)
-        return out
 
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for name in steps:  # warm-up: allocations, DDP's bucket rebuild, PowerSGD's start iteration
-        timed(name, 3)
-    for _ in range(args.rounds):
-        for name in steps:
-            times[name] += timed(name, args.steps)
-
-    # Overlap on an emulated link: bandwidth from rank 0's compute median, the same on every rank.
-    compute = statistics.median(times["compute"])
+def _overlap_runs(args: argparse.Namespace, comm: Communicator, proto: torch.nn.Module,
+                  batch: dict[str, torch.Tensor], compute: float) -> tuple[list[dict[str, Any]], Any]:
+    """Overlap on an emulated link: bandwidth from rank 0's compute median, the same on every rank.
+    Returns the rows (one per ``--comm-ratio``) and the last engine."""
+    n = comm.world_size
     overlap = []
-    models["overlap"] = clone()
-    probe = attach(clone(), "none", comm, bucket_cap_mb=args.overlap_cap_mb, broadcast=False)
+    model = _clone(proto, args)
+    probe = attach(_clone(proto, args), "none", comm, bucket_cap_mb=args.overlap_cap_mb, broadcast=False)
     unit = allreduce_seconds_per_step(probe, n, cost.Link(8.0))  # seconds at 1 byte/s, no latency
     probe.detach()
     for ratio in args.comm_ratio:
         bw = torch.tensor([8.0 * unit / (ratio * compute)], dtype=torch.float64)
         comm.broadcast(bw, 0)
         link = cost.Link(float(bw.item()), 0.0)
-        eng = attach(models["overlap"], "none", SlowLink(comm, link), bucket_cap_mb=args.overlap_cap_mb,
-                     broadcast=False)
-        steps["overlap"] = lambda e=eng: (fwd_bwd(models["overlap"]), e.finalize())  # type: ignore[misc]
-        timed("overlap", 2)
-        st = timed("overlap", args.steps * args.rounds)
+        eng = attach(model, "none", SlowLink(comm, link), bucket_cap_mb=args.overlap_cap_mb, broadcast=False)
+
+        def step(e: Any = eng) -> None:
+            _fwd_bwd(model, batch)
+            e.finalize()
+
+        _timed(comm, step, 2)
+        st = _timed(comm, step, args.steps * args.rounds)
         comm_s = allreduce_seconds_per_step(eng, n, link)
         eng.detach()
         overlap.append({"comm_ratio": ratio, "bandwidth_bps": link.bandwidth_bps, "comm_s": comm_s,
                         "step_s": statistics.median(st), "steps": st})
+    return overlap, eng
+
+
+def _rank_main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    comm = init_communicator("gloo", timeout=900.0)
+    rank, n = comm.rank, comm.world_size
+    proto = build_model(args.model, args.seq)
+    batch = make_batch(proto, args.batch, args.seq, seed=rank)
+    steps, eng_none, state = _configurations(args, comm, proto, batch)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for name in steps:  # warm-up: allocations, DDP's bucket rebuild, PowerSGD's start iteration
+        _timed(comm, steps[name], 3)
+    for _ in range(args.rounds):
+        for name in steps:
+            times[name] += _timed(comm, steps[name], args.steps)
+    compute = statistics.median(times["compute"])
+    overlap, eng = _overlap_runs(args, comm, proto, batch, compute)
     if rank == 0:
         out = {"workers": n, "params": sum(p.numel() for p in proto.parameters()), "compute": compute,
                "times": times, "overlap": overlap, "buckets": len(eng_none.buckets),

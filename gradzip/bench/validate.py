@@ -125,7 +125,7 @@ def med(recs: list[dict[str, Any]], *keys: str) -> float:
     return statistics.median(sum(r[k] for k in keys) for r in recs)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m gradzip.bench.validate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     ap.add_argument("--json", default=None, help="also write every number here")
+    return ap
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = _parser()
     args = ap.parse_args(argv)
     args.calibration_steps = args.calibration_steps or args.steps
     if min(args.steps, args.calibration_steps) <= args.warmup:
@@ -157,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--ranks-per-node must be >= 1")
     for r in [*args.rates, args.intra_bandwidth]:
         parse_bandwidth(r)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     k = args.ranks_per_node
     root = Path(args.out or tempfile.mkdtemp(prefix="gradzip-validate-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -173,59 +183,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; inside a host alpha {intra_alpha * 1e6:.0f} us" if k > 1 else ""), flush=True)
         configs = [(h, mode, spec) for h in args.hosts for mode in args.modes for spec in args.compressors]
         for hosts, mode, spec in configs:
-            hier = mode == "hierarchical"
-            tag = spec.replace(":", "-").replace(",", "-").replace("=", "")
-            tag = (f"k{k}-" if k > 1 else "") + ("hier-" if hier else "") + tag
-            cal = train(root / f"h{hosts}-{tag}-cal", hosts, args.calibration_rate, spec, args,
-                        args.calibration_steps, hier)
-            compute = med(cal["recs"], "compute_s", "opt_s")
-            compress = med(cal["recs"], "compress_s")
-            print(f"calibration H={hosts}{f'x{k}' if k > 1 else ''}{' hierarchical' if hier else ''} {spec}: "
-                  f"compute+opt {compute * 1e3:.0f} ms, compress "
-                  f"{compress * 1e3:.0f} ms ({cal['wall']:.0f} s)", flush=True)
-            for rate in args.rates:
-                run = train(root / f"h{hosts}-{tag}-{rate}", hosts, rate, spec, args, args.steps, hier)
-                s = run["summary"]
-                work = sim.Workload(args.model, args.batch_size * args.seq_len / compute, args.batch_size,
-                                    args.seq_len, overlap=0.0, **({"hierarchical": True} if hier else {}))
-                cl = sim.Cluster(hosts, k, parse_bandwidth(rate), parse_bandwidth(args.intra_bandwidth)
-                                 if k > 1 else 1e12, alpha, intra_alpha, "ring", LINK_EFFICIENCY)
-                elems = sim.predict(spec, work, cl).detail["compressed_elements"] or 1
-                codec = sim.CodecCost(compress / elems, 0.0, "calibration")
-                p = sim.predict(spec, work, cl, codec)
-                # Step-calibrated: the calibration's whole step, less its own predicted communication
-                # and compression, stands for compute (so it includes the ranks' waits for each other).
-                p_cal = sim.predict(spec, work, replace(cl, inter_bps=parse_bandwidth(args.calibration_rate)), codec)
-                rest = med(cal["recs"], "step_s") - p_cal.exposed_comm_s - p_cal.compress_s
-                p_step = sim.predict(spec, replace(work, tokens_per_second=args.batch_size * args.seq_len / rest),
-                                     cl, codec) if rest > 0 else None
-                if p.params != s["params"]:
-                    raise RuntimeError(f"model sizes differ: simulate {p.params}, train {s['params']}")
-                measured = med(run["recs"], "step_s")
-                # the network model alone: this run's own compute and compression + predicted comm
-                same_run = med(run["recs"], "compute_s", "opt_s", "compress_s") + p.exposed_comm_s
-                row = {"hosts": hosts, "ranks_per_node": k, "mode": mode, "rate": rate, "compressor": spec,
-                       "measured_step_s": measured,
-                       "predicted_step_s": p.step_s, "error": p.step_s / measured - 1,
-                       "error_same_run_compute": same_run / measured - 1,
-                       "predicted_step_s_step_calibrated": p_step.step_s if p_step else None,
-                       "error_step_calibrated": p_step.step_s / measured - 1 if p_step else None,
-                       "measured_comm_s": med(run["recs"], "comm_s"), "predicted_comm_s": p.exposed_comm_s,
-                       "compute_s": compute, "compress_s": compress,
-                       "calibration_step_s": med(cal["recs"], "step_s"), "bytes_per_step": s["bytes_per_step"],
-                       "predicted_sent_bytes": p.sent_bytes,
-                       "inter_bytes_per_step": s.get("inter_bytes_per_step"),
-                       "predicted_inter_bytes": getattr(p, "inter_bytes", None),
-                       "wire_bytes_per_step": s.get("wire_bytes_per_step"),
-                       "wire_overhead": s.get("wire_overhead"),
-                       "wire_frame_overhead": s.get("wire_frame_overhead"), "run_s": run["wall"]}
-                rows.append(row)
-                print(f"H={hosts}{f'x{k}' if k > 1 else ''} {'hier ' if hier else ''}{rate:>8} {spec:<26} "
-                      f"measured {measured * 1e3:6.0f} ms  predicted "
-                      f"{p.step_s * 1e3:6.0f} ms  error {row['error']:+.1%} (same-run compute "
-                      f"{row['error_same_run_compute']:+.1%}, step-calibrated "
-                      f"{_pct(row['error_step_calibrated'], 1)})  wire overhead "
-                      f"{_pct(row['wire_overhead'])}  ({run['wall']:.0f} s)", flush=True)
+            rows += _validate_config(root, hosts, mode, spec, args, alpha, intra_alpha)
     finally:
         if how == "created":
             testbed.down(PREFIX)
@@ -238,6 +196,77 @@ def main(argv: list[str] | None = None) -> int:
                                                "load_average_1min": [*load, os.getloadavg()[0]], "rows": rows},
                                               indent=1))
     return 0
+
+
+def _validate_config(root: Path, hosts: int, mode: str, spec: str, args: argparse.Namespace, alpha: float,
+                     intra_alpha: float) -> list[dict[str, Any]]:
+    """One calibration run of ``hosts`` hosts with ``spec`` in ``mode``, then one run per rate,
+    each compared with the prediction: one row per rate."""
+    k = args.ranks_per_node
+    hier = mode == "hierarchical"
+    tag = spec.replace(":", "-").replace(",", "-").replace("=", "")
+    tag = (f"k{k}-" if k > 1 else "") + ("hier-" if hier else "") + tag
+    cal = train(root / f"h{hosts}-{tag}-cal", hosts, args.calibration_rate, spec, args, args.calibration_steps, hier)
+    compute = med(cal["recs"], "compute_s", "opt_s")
+    compress = med(cal["recs"], "compress_s")
+    print(f"calibration H={hosts}{f'x{k}' if k > 1 else ''}{' hierarchical' if hier else ''} {spec}: "
+          f"compute+opt {compute * 1e3:.0f} ms, compress "
+          f"{compress * 1e3:.0f} ms ({cal['wall']:.0f} s)", flush=True)
+    rows = []
+    for rate in args.rates:
+        run = train(root / f"h{hosts}-{tag}-{rate}", hosts, rate, spec, args, args.steps, hier)
+        row = _compare(hosts, mode, rate, spec, args, cal, run, alpha, intra_alpha)
+        rows.append(row)
+        print(f"H={hosts}{f'x{k}' if k > 1 else ''} {'hier ' if hier else ''}{rate:>8} {spec:<26} "
+              f"measured {row['measured_step_s'] * 1e3:6.0f} ms  predicted "
+              f"{row['predicted_step_s'] * 1e3:6.0f} ms  error {row['error']:+.1%} (same-run compute "
+              f"{row['error_same_run_compute']:+.1%}, step-calibrated "
+              f"{_pct(row['error_step_calibrated'], 1)})  wire overhead "
+              f"{_pct(row['wire_overhead'])}  ({run['wall']:.0f} s)", flush=True)
+    return rows
+
+
+def _compare(hosts: int, mode: str, rate: str, spec: str, args: argparse.Namespace, cal: dict[str, Any],
+             run: dict[str, Any], alpha: float, intra_alpha: float) -> dict[str, Any]:
+    """The row of one run: what it measured against what ``gradzip simulate`` predicts for it from
+    the calibration run ``cal``."""
+    k, hier = args.ranks_per_node, mode == "hierarchical"
+    compute = med(cal["recs"], "compute_s", "opt_s")
+    compress = med(cal["recs"], "compress_s")
+    s = run["summary"]
+    work = sim.Workload(args.model, args.batch_size * args.seq_len / compute, args.batch_size,
+                        args.seq_len, overlap=0.0, **({"hierarchical": True} if hier else {}))
+    cl = sim.Cluster(hosts, k, parse_bandwidth(rate), parse_bandwidth(args.intra_bandwidth)
+                     if k > 1 else 1e12, alpha, intra_alpha, "ring", LINK_EFFICIENCY)
+    elems = sim.predict(spec, work, cl).detail["compressed_elements"] or 1
+    codec = sim.CodecCost(compress / elems, 0.0, "calibration")
+    p = sim.predict(spec, work, cl, codec)
+    # Step-calibrated: the calibration's whole step, less its own predicted communication
+    # and compression, stands for compute (so it includes the ranks' waits for each other).
+    p_cal = sim.predict(spec, work, replace(cl, inter_bps=parse_bandwidth(args.calibration_rate)), codec)
+    rest = med(cal["recs"], "step_s") - p_cal.exposed_comm_s - p_cal.compress_s
+    p_step = sim.predict(spec, replace(work, tokens_per_second=args.batch_size * args.seq_len / rest),
+                         cl, codec) if rest > 0 else None
+    if p.params != s["params"]:
+        raise RuntimeError(f"model sizes differ: simulate {p.params}, train {s['params']}")
+    measured = med(run["recs"], "step_s")
+    # the network model alone: this run's own compute and compression + predicted comm
+    same_run = med(run["recs"], "compute_s", "opt_s", "compress_s") + p.exposed_comm_s
+    return {"hosts": hosts, "ranks_per_node": k, "mode": mode, "rate": rate, "compressor": spec,
+            "measured_step_s": measured,
+            "predicted_step_s": p.step_s, "error": p.step_s / measured - 1,
+            "error_same_run_compute": same_run / measured - 1,
+            "predicted_step_s_step_calibrated": p_step.step_s if p_step else None,
+            "error_step_calibrated": p_step.step_s / measured - 1 if p_step else None,
+            "measured_comm_s": med(run["recs"], "comm_s"), "predicted_comm_s": p.exposed_comm_s,
+            "compute_s": compute, "compress_s": compress,
+            "calibration_step_s": med(cal["recs"], "step_s"), "bytes_per_step": s["bytes_per_step"],
+            "predicted_sent_bytes": p.sent_bytes,
+            "inter_bytes_per_step": s.get("inter_bytes_per_step"),
+            "predicted_inter_bytes": getattr(p, "inter_bytes", None),
+            "wire_bytes_per_step": s.get("wire_bytes_per_step"),
+            "wire_overhead": s.get("wire_overhead"),
+            "wire_frame_overhead": s.get("wire_frame_overhead"), "run_s": run["wall"]}
 
 
 def _pct(v: float | None, digits: int = 2) -> str:

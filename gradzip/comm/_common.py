@@ -1,6 +1,8 @@
-"""Pieces shared by the real backends (``torch`` and ``mpi``): timed handles that record stats
-exactly as ``sim`` does, the shape header of the variable-size allgather, the queue of its
-deferred data launches, and error messages.
+"""Pieces shared by the real backends (``torch`` and ``mpi``): their common base class
+(:class:`RealCommunicator`: collective numbering, argument checks, the dispatch between the two
+allgather forms, the accounting of split), timed handles that record stats exactly as ``sim``
+does, the shape header of the variable-size allgather, the queue of its deferred data launches,
+and error messages.
 
 Accounting: every handle is created with the bytes its op sends/receives by the formulas of
 :mod:`gradzip.comm.cost` (not by what the library happens to put on the wire: padding, headers and
@@ -12,18 +14,17 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from gradzip.comm.base import Handle
+from gradzip.comm import cost
+from gradzip.comm.base import Communicator, Handle, ReduceOp
 from gradzip.errors import CommError
-
-if TYPE_CHECKING:
-    from gradzip.comm.base import Communicator
 
 # Dtype codes for the allgather header; the order is part of the wire format.
 DTYPES: tuple[torch.dtype, ...] = (
@@ -32,6 +33,62 @@ DTYPES: tuple[torch.dtype, ...] = (
 )
 MAX_NDIM = 8
 HEADER_LEN = 3 + MAX_NDIM  # seq, dtype code, ndim, dims...
+SPLIT_ROW_BYTES = 16  # split accounts an allgather of (colour, key) as int64, as sim does
+
+
+class RealCommunicator(Communicator):
+    """What the ``torch`` and ``mpi`` communicators share. A subclass numbers its collectives with
+    :meth:`_next` (``_seq``: how many it launched), names this rank in messages with ``_where()``
+    and implements the two allgather forms."""
+
+    _seq: int
+
+    def _next(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _where(self) -> str:
+        """This rank, for messages."""
+        return f"rank {self.rank}"
+
+    def _check(self, t: Tensor) -> None:
+        """Refuse a tensor this backend cannot communicate (by default: none)."""
+
+    @staticmethod
+    def _check_op(op: ReduceOp) -> None:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'mean'")
+
+    def _check_src(self, src: int) -> None:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast src {src} out of range for world size {self.world_size}")
+
+    def allgather_async(self, tensor: Tensor, same_shape: bool = False) -> Handle:
+        """See the contract and the backend's module docstring: ``same_shape=True`` launches the data
+        at once (no header); otherwise the header goes first and the data launch is deferred."""
+        self._check(tensor)
+        t0 = time.perf_counter()
+        seq = self._next()
+        if same_shape:
+            return self._allgather_same(tensor, seq, describe("allgather", seq, tensor, "same shape"), t0)
+        return self._allgather_var(tensor, seq, describe("allgather", seq, tensor), t0)
+
+    @abstractmethod
+    def _allgather_same(self, tensor: Tensor, seq: int, desc: str, t0: float) -> Handle: ...
+
+    @abstractmethod
+    def _allgather_var(self, tensor: Tensor, seq: int, desc: str, t0: float) -> Handle: ...
+
+    def _record_split(self, t0: float) -> None:
+        """Account a split started at ``t0`` as ``sim`` does: an allgather of 16 bytes per rank."""
+        sent, recv = cost.allgather_bytes([SPLIT_ROW_BYTES] * self.world_size, self.rank)
+        self.stats.record("split", sent, recv, time.perf_counter() - t0)
+
+    def _drop_launches(self) -> None:
+        """On close: take this communicator's deferred allgather launches out of the queue."""
+        drop_launches(self, f"allgather on {self._where()}: the communicator was closed before the data "
+                            "collective was launched")
 
 
 def encode_header(t: Tensor, seq: int) -> Tensor:

@@ -49,7 +49,9 @@ Contract (every backend):
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -139,6 +141,8 @@ class Communicator(ABC):
     backend: ClassVar[str] = ""
     clock: ClassVar[Literal["measured", "modelled"]] = "measured"
     intra: bool = False  # every rank of this communicator is on one node (see the contract)
+    # What times local work (encodes, decodes, compute): wall time where time is measured.
+    work_time: ClassVar[Callable[[], float]] = staticmethod(time.perf_counter)
 
     def __init__(self, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not 0 <= rank < world_size:

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import math
 import os
 import threading
@@ -80,85 +79,25 @@ from torch import Tensor
 from gradzip.comm import cost
 from gradzip.comm._common import (
     HEADER_LEN,
+    RealCommunicator,
     TimedHandle,
     as_contiguous,
     decode_headers,
     defer_launch,
     describe,
-    drop_launches,
     encode_header,
     flush_launches,
     mean_inplace,
     progress_launches,
     raise_mismatch,
 )
-from gradzip.comm.base import (
-    DEFAULT_TIMEOUT_S,
-    Communicator,
-    Handle,
-    ReduceOp,
-    check_alltoall,
-    nbytes,
-    split_order,
-)
-from gradzip.errors import CommError, CommTimeout, GradzipError
-
-TAG_PING = 7001
-TAG_PONG = 7100  # + probe id % 10000
-SPLIT_ROW_BYTES = 16  # split accounts an allgather of (colour, key) as int64, as sim does
+from gradzip.comm._mpi_lib import cuda_aware_mpi, import_mpi, sum_16bit
+from gradzip.comm._mpi_ping import PingChannel, rank_name
+from gradzip.comm.base import DEFAULT_TIMEOUT_S, Handle, ReduceOp, check_alltoall, nbytes, split_order
+from gradzip.errors import CommError, CommTimeout
 
 
-def import_mpi() -> Any:
-    try:
-        from mpi4py import MPI
-    except (ImportError, RuntimeError, OSError) as e:  # mpi4py missing, or no MPI library to load
-        raise GradzipError(f"backend mpi needs mpi4py and an MPI library ({e}): pip install 'gradzip[mpi]'") from e
-    return MPI
-
-
-def _sum_16bit(dtype: torch.dtype) -> Callable[[Any, Any, Any], None]:
-    """MPI user op: ``inout += in`` for fp16/bf16 carried as 16-bit integers."""
-
-    def op(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        a = np.frombuffer(inbuf, dtype=np.int16)
-        if a.size == 0:
-            return
-        b = np.frombuffer(inoutbuf, dtype=np.int16)
-        torch.from_numpy(b).view(dtype).add_(torch.from_numpy(a).view(dtype))
-
-    return op
-
-
-def cuda_aware_mpi() -> bool:
-    """Whether the loaded MPI library takes CUDA device buffers."""
-    env = os.environ.get("GRADZIP_MPI_CUDA_AWARE")
-    if env in ("0", "1"):
-        return env == "1"
-    import_mpi()
-    for path in _loaded_libmpi():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        if hasattr(lib, "MPIX_Query_cuda_support"):  # Open MPI
-            return bool(lib.MPIX_Query_cuda_support())
-        if hasattr(lib, "MPIX_GPU_query_support"):  # MPICH: (gpu_type=MPIX_GPU_SUPPORT_CUDA=0, int*)
-            flag = ctypes.c_int(0)
-            lib.MPIX_GPU_query_support(0, ctypes.byref(flag))
-            return bool(flag.value)
-    return False
-
-
-def _loaded_libmpi() -> list[str]:
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libmpi" in line and ".so" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if os.path.basename(p).startswith(("libmpi.", "libmpi_")))
-
-
-class MPICommunicator(Communicator):
+class MPICommunicator(RealCommunicator):
     """mpi4py endpoint; see the module docstring."""
 
     backend = "mpi"
@@ -181,6 +120,7 @@ class MPICommunicator(Communicator):
         self._data, self._meta, self._ctl = base.Dup(), base.Dup(), base.Dup()
         for c in (self._data, self._meta, self._ctl):
             c.Set_errhandler(MPI.ERRORS_RETURN)
+        self._pings = PingChannel(MPI, self._ctl, self._global)  # answers and sends pings
         self.diagnose_s = diagnose_s
         # Busy-poll a waited request for up to 1 ms, unless this host runs more ranks than it has
         # cores (then polling would take the CPU from the ranks that must make progress).
@@ -193,12 +133,9 @@ class MPICommunicator(Communicator):
         self._broken = False
         self._tree_broken = False  # set by close(): this one or a sub-communicator failed
         self._closed = False
-        self._probe_id = 0
-        self._ping_lock = threading.Lock()
-        self._pongs: list[Any] = []
         self._responding = True  # tests switch it off to simulate a hung rank
-        self._ops16 = {torch.float16: MPI.Op.Create(_sum_16bit(torch.float16), commute=True),
-                       torch.bfloat16: MPI.Op.Create(_sum_16bit(torch.bfloat16), commute=True)}
+        self._ops16 = {torch.float16: MPI.Op.Create(sum_16bit(torch.float16), commute=True),
+                       torch.bfloat16: MPI.Op.Create(sum_16bit(torch.bfloat16), commute=True)}
         self._types = {
             torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T,
             torch.int64: MPI.INT64_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
@@ -226,69 +163,20 @@ class MPICommunicator(Communicator):
             self._stop.wait(0.001 if self._inflight else 0.02)
 
     def _answer_pings(self) -> None:
-        if not self._responding:
-            return
-        MPI = self.MPI
-        with self._ping_lock:
-            while True:
-                status = MPI.Status()
-                msg = self._ctl.Improbe(MPI.ANY_SOURCE, TAG_PING, status)
-                if msg is None:
-                    break
-                ping = np.empty(1, dtype=np.int64)
-                msg.Recv(ping)
-                pong = np.array([ping[0], self._seq, self._waiting], dtype=np.int64)
-                self._pongs.append((self._ctl.Isend(pong, dest=status.Get_source(),
-                                                    tag=TAG_PONG + int(ping[0]) % 10000), pong))
-            self._pongs = [(r, b) for r, b in self._pongs if not r.Test()]
+        if self._responding:
+            self._pings.answer(self._seq, self._waiting)
 
     def _diagnose(self, seq: int) -> str:
         """Ping every peer for ``diagnose_s`` s; say who did not answer and who is behind."""
-        MPI = self.MPI
-        self._probe_id += 1
-        probe = self._probe_id
-        peers = [p for p in range(self.world_size) if p != self.rank]
-        ping = np.array([probe], dtype=np.int64)
-        sends = [self._ctl.Isend(ping, dest=p, tag=TAG_PING) for p in peers]
-        bufs = {p: np.zeros(3, dtype=np.int64) for p in peers}
-        recvs = {p: self._ctl.Irecv(bufs[p], source=p, tag=TAG_PONG + probe % 10000) for p in peers}
-        answered: dict[int, tuple[int, int]] = {}
-        deadline = time.monotonic() + self.diagnose_s
-        while time.monotonic() < deadline and len(answered) < len(peers):
-            for p, r in recvs.items():
-                if p not in answered and r.Test():
-                    answered[p] = (int(bufs[p][1]), int(bufs[p][2]))
-            self._answer_pings()
-            time.sleep(0.005)
-        for p, r in list(recvs.items()) + list(zip(peers, sends)):
-            if p not in answered:
-                try:
-                    r.Cancel()
-                except MPI.Exception:
-                    pass
-        self._probe_bufs = (ping, bufs, sends, recvs)  # cancelled requests may still refer to them
-        silent = [p for p in peers if p not in answered]
-        behind = {p: v for p, v in answered.items() if v[0] <= seq}
-        parts = []
-        if silent:
-            parts.append(f"{self._ranks(silent)} not responding for {self.diagnose_s:g} s (dead or hung)")
-        if behind:
-            parts.append("alive but not at this collective yet: " + ", ".join(
-                (f"{self._rank(p)} (last launched #{k - 1}" if k else f"{self._rank(p)} (launched none")
-                + (f", waiting in #{w})" if w >= 0 else ")") for p, (k, w) in behind.items()))
-        return "; ".join(parts) or "every rank responds and has launched it: the network or MPI library is stuck"
+        return self._pings.diagnose(seq, self.diagnose_s, self._answer_pings)
 
-    def _rank(self, r: int) -> str:
-        return f"rank {r}" if self._global is None else f"global rank {self._global[r]}"
-
-    def _ranks(self, rs: list[int]) -> str:
-        return f"rank(s) {rs}" if self._global is None else f"global rank(s) {[self._global[r] for r in rs]}"
 
     def _where(self) -> str:
         """This rank, for messages: a communicator other than MPI_COMM_WORLD names the global rank first."""
         if self._global is None:
             return f"rank {self.rank}"
-        return f"{self._rank(self.rank)} (rank {self.rank} of the sub-communicator of global ranks {self._global})"
+        return (f"{rank_name(self.rank, self._global)} (rank {self.rank} of the sub-communicator of global ranks "
+                f"{self._global})")
 
     def _fail(self, desc: str, seq: int, err: BaseException | None) -> None:
         self._broken = True
@@ -320,11 +208,6 @@ class MPICommunicator(Communicator):
             self._waiting = -1
 
     # -- buffers --------------------------------------------------------------------------
-    def _next(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
-
     def _device_ok(self, t: Tensor, host_op: bool = False) -> bool:
         """True: give MPI the tensor's own memory; False: stage a CUDA tensor through the host."""
         if not t.is_cuda:
@@ -364,8 +247,7 @@ class MPICommunicator(Communicator):
 
     # -- the contract ---------------------------------------------------------------------
     def allreduce_async(self, tensor: Tensor, op: ReduceOp = "sum") -> Handle:
-        if op not in ("sum", "mean"):
-            raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'mean'")
+        self._check_op(op)
         MPI = self.MPI
         t0 = time.perf_counter()
         seq = self._next()
@@ -393,15 +275,6 @@ class MPICommunicator(Communicator):
 
         s = cost.allreduce_bytes(nbytes(tensor), self.world_size)
         return self._handle("allreduce", s, s, req, seq, desc, t0, after)
-
-    def allgather_async(self, tensor: Tensor, same_shape: bool = False) -> Handle:
-        """See the contract and the module docstring: ``same_shape=True`` launches the data at once
-        (no header); otherwise the header goes first and the data launch is deferred."""
-        t0 = time.perf_counter()
-        seq = self._next()
-        if same_shape:
-            return self._allgather_same(tensor, seq, describe("allgather", seq, tensor, "same shape"), t0)
-        return self._allgather_var(tensor, seq, describe("allgather", seq, tensor), t0)
 
     def _allgather_same(self, tensor: Tensor, seq: int, desc: str, t0: float) -> Handle:
         n, shape = self.world_size, tensor.shape
@@ -474,8 +347,7 @@ class MPICommunicator(Communicator):
         return handle
 
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle:
-        if not 0 <= src < self.world_size:
-            raise ValueError(f"broadcast src {src} out of range for world size {self.world_size}")
+        self._check_src(src)
         MPI = self.MPI
         t0 = time.perf_counter()
         seq = self._next()
@@ -548,8 +420,7 @@ class MPICommunicator(Communicator):
         child.stats = self.stats  # a rank's totals cover all its traffic
         child._parent = self
         self._children.append(child)
-        sent, recv = cost.allgather_bytes([SPLIT_ROW_BYTES] * self.world_size, self.rank)
-        self.stats.record("split", sent, recv, time.perf_counter() - t0)
+        self._record_split(t0)
         return child
 
     def close(self) -> None:
@@ -562,8 +433,7 @@ class MPICommunicator(Communicator):
             return
         self._closed = True
         atexit.unregister(self.close)
-        drop_launches(self, f"allgather on {self._where()}: the communicator was closed before the data "
-                            "collective was launched")
+        self._drop_launches()
         for child in self._children:  # before our own teardown: they may still answer pings
             child.close()
         # After a failure here or below, a peer may be gone: free nothing that may wait on it.

@@ -289,11 +289,28 @@ def _broken_same_shape(seq: int, ins: list[Tensor]) -> CommError | None:
                      "same_shape=False for payloads whose size differs between ranks")
 
 
+_WORK_SCALE = [1.0]  # one process hosts one sim run at a time: set by gradzip train per run
+
+
+def set_work_scale(factor: float) -> None:
+    """The CPU time of local work on this run's threads over its CPU time on one thread (the
+    threads' own overhead, >= 1), measured by the caller; 1 for one thread."""
+    if not (factor >= 1.0 and factor < float("inf")):
+        raise ValueError(f"work scale must be a finite number >= 1, got {factor}")
+    _WORK_SCALE[0] = float(factor)
+
+
 class SimCommunicator(Communicator):
     """One virtual worker's endpoint in a :class:`SimWorld`."""
 
     backend = "sim"
     clock = "modelled"
+
+    def work_time(self) -> float:
+        """Local work is timed in this process's CPU time (every thread's), divided by
+        :func:`set_work_scale`'s factor: one-thread CPU seconds. Other processes on the machine, and
+        how many threads torch uses, then change no modelled number."""
+        return time.process_time() / _WORK_SCALE[0]
 
     def __init__(self, world: SimWorld, rank: int) -> None:
         super().__init__(rank, world.n, world.timeout)

@@ -65,12 +65,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import math
 import os
 import re
-import socket
-import struct
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -83,12 +80,12 @@ from torch import Tensor
 from gradzip.comm import cost
 from gradzip.comm._common import (
     HEADER_LEN,
+    RealCommunicator,
     TimedHandle,
     as_contiguous,
     decode_headers,
     defer_launch,
     describe,
-    drop_launches,
     encode_header,
     flush_launches,
     mean_inplace,
@@ -96,21 +93,12 @@ from gradzip.comm._common import (
     raise_mismatch,
 )
 from gradzip.comm._heartbeat import Heartbeat
-from gradzip.comm.base import (
-    DEFAULT_TIMEOUT_S,
-    Communicator,
-    Handle,
-    ReduceOp,
-    check_alltoall,
-    nbytes,
-    split_order,
-)
+from gradzip.comm._torch_groups import init_process_group, is_timeout, member_group
+from gradzip.comm.base import DEFAULT_TIMEOUT_S, Handle, ReduceOp, check_alltoall, nbytes, split_order
 from gradzip.errors import CommError, CommTimeout, GradzipError
 
-SPLIT_ROW_BYTES = 16  # split accounts an allgather of (colour, key) as int64, as sim does
 
-
-class TorchCommunicator(Communicator):
+class TorchCommunicator(RealCommunicator):
     """torch.distributed endpoint; see the module docstring."""
 
     backend = "torch"
@@ -130,7 +118,7 @@ class TorchCommunicator(Communicator):
             if rank is None or world_size is None:
                 raise GradzipError("torch backend: rank and world size unknown: start under torchrun/mpirun/srun, "
                                    "use `gradzip train --workers N`, or pass rank= and world_size=")
-            _init_process_group(backend, rank, world_size, master_addr, master_port, timeout, device)
+            init_process_group(backend, rank, world_size, master_addr, master_port, timeout, device)
         # A Gloo side group for size headers and barriers: never queued behind large data ops.
         side = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         TorchCommunicator._instances += 1
@@ -191,11 +179,6 @@ class TorchCommunicator(Communicator):
                     pass
 
     # -- helpers ------------------------------------------------------------------------
-    def _next(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
-
     def _where(self) -> str:
         """This rank, for messages: sub-communicators name the global rank first."""
         if self._parent is None:
@@ -214,7 +197,7 @@ class TorchCommunicator(Communicator):
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         detail = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", detail).split(". This is")[0]  # Gloo's source path
         # The backend's own words add nothing to "timed out" (they stay in the chained exception).
-        said = "" if timed_out and _is_timeout(RuntimeError(detail)) else f" [{self.dist_backend}: {detail}]"
+        said = "" if timed_out and is_timeout(RuntimeError(detail)) else f" [{self.dist_backend}: {detail}]"
         cls = CommTimeout if timed_out else CommError
         raise cls(f"{desc} {what} on {self._where()}: {diag}{said}") from err
 
@@ -226,7 +209,7 @@ class TorchCommunicator(Communicator):
         try:
             return fn()
         except dist.DistError as e:  # communication failures; bad arguments (ValueError etc.) pass through
-            self._fail(desc, seq, e, _is_timeout(e))
+            self._fail(desc, seq, e, is_timeout(e))
             raise  # unreachable: _fail raises
 
     def _wait_work(self, work, seq: int, desc: str, flush: bool = True) -> None:
@@ -237,7 +220,7 @@ class TorchCommunicator(Communicator):
         try:
             ok = work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as e:
-            self._fail(desc, seq, e, _is_timeout(e))
+            self._fail(desc, seq, e, is_timeout(e))
         else:
             if ok is False:
                 self._fail(desc, seq, TimeoutError("work.wait returned False"), True)
@@ -256,8 +239,7 @@ class TorchCommunicator(Communicator):
 
     # -- the contract -------------------------------------------------------------------
     def allreduce_async(self, tensor: Tensor, op: ReduceOp = "sum") -> Handle:
-        if op not in ("sum", "mean"):
-            raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'mean'")
+        self._check_op(op)
         self._check(tensor)
         t0 = time.perf_counter()
         seq = self._next()
@@ -275,16 +257,6 @@ class TorchCommunicator(Communicator):
 
         s = cost.allreduce_bytes(nbytes(tensor), self.world_size)
         return TimedHandle(self, "allreduce", s, s, finish, t0, work.is_completed)
-
-    def allgather_async(self, tensor: Tensor, same_shape: bool = False) -> Handle:
-        """See the contract and the module docstring: ``same_shape=True`` launches the data at once
-        (no header); otherwise the header goes first and the data launch is deferred."""
-        self._check(tensor)
-        t0 = time.perf_counter()
-        seq = self._next()
-        if same_shape:
-            return self._allgather_same(tensor, seq, describe("allgather", seq, tensor, "same shape"), t0)
-        return self._allgather_var(tensor, seq, describe("allgather", seq, tensor), t0)
 
     def _allgather_same(self, tensor: Tensor, seq: int, desc: str, t0: float) -> Handle:
         n, shape = self.world_size, tensor.shape
@@ -349,8 +321,7 @@ class TorchCommunicator(Communicator):
         return handle
 
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Handle:
-        if not 0 <= src < self.world_size:
-            raise ValueError(f"broadcast src {src} out of range for world size {self.world_size}")
+        self._check_src(src)
         self._check(tensor)
         t0 = time.perf_counter()
         seq = self._next()
@@ -424,7 +395,7 @@ class TorchCommunicator(Communicator):
         try:
             group, side = self._new_groups(colours, keys, colour, instance)
         except RuntimeError as e:  # DistError and Gloo's connect errors; bad arguments pass through
-            self._fail(desc, seq, e, _is_timeout(e))
+            self._fail(desc, seq, e, is_timeout(e))
         members = [self._members[i] for i in split_order(colours, keys, colour)]
         torch_order = dist.get_process_group_ranks(group)
         perm = [torch_order.index(g) for g in members]
@@ -435,8 +406,7 @@ class TorchCommunicator(Communicator):
                      self.device, self._heartbeat_s, self.diagnose_s)
         child.stats = self.stats  # a rank's totals cover all its traffic
         self._children.append(child)
-        sent, recv = cost.allgather_bytes([SPLIT_ROW_BYTES] * self.world_size, self.rank)
-        self.stats.record("split", sent, recv, time.perf_counter() - t0)
+        self._record_split(t0)
         return child
 
     def _new_groups(self, colours: list[int], keys: list[int], colour: int, instance: str) -> tuple:
@@ -453,9 +423,9 @@ class TorchCommunicator(Communicator):
                 mine = groups if c == colour else mine
             return mine
         ranks = sorted(self._members[i] for i in orders[colour])
-        side = _member_group(ranks, "gloo", f"gradzip/{instance}/side", td)
+        side = member_group(ranks, "gloo", f"gradzip/{instance}/side", td)
         if self.dist_backend != "nccl":
-            return _member_group(ranks, self.dist_backend, f"gradzip/{instance}/data", td), side
+            return member_group(ranks, self.dist_backend, f"gradzip/{instance}/data", td), side
         torch_rank = self._perm or list(range(self.world_size))  # split_group takes the parent's torch ranks
         split = [[torch_rank[i] for i in order] for order in orders.values()]
         return dist.split_group(self.group, split, timeout=td), side
@@ -474,8 +444,7 @@ class TorchCommunicator(Communicator):
         self._closed = True
         if self._parent is None:
             atexit.unregister(self.close)
-        drop_launches(self, f"allgather on {self._where()}: the communicator was closed before the data "
-                            "collective was launched")
+        self._drop_launches()
         for child in self._children:
             child.close()
         hb, self._hb = self._hb, None
@@ -493,82 +462,3 @@ class TorchCommunicator(Communicator):
         elif self._owns_pg:
             dist.destroy_process_group()
             self._owns_pg = False
-
-
-def _member_group(ranks: list[int], backend: str, name: str, timeout: timedelta):
-    """A process group over the sorted global ``ranks`` that only its members create. torch's
-    public ``new_group`` must be entered by every process of the job, and its
-    ``use_local_synchronization`` form names the group by how many groups this process has made,
-    which differs between processes once sub-communicators split; so this calls the helper that
-    ``new_group`` itself uses, with ``name`` (unique, derived alike on every member) as the group's
-    name and store prefix, and registers the rank mapping as ``new_group`` does."""
-    c10d = dist.distributed_c10d
-    pg, _ = c10d._new_process_group_helper(len(ranks), ranks.index(dist.get_rank()), ranks, backend,
-                                          c10d._get_default_store(), name, timeout=timeout)
-    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
-    return pg
-
-
-def _is_timeout(e: BaseException) -> bool:
-    s = str(e).lower()
-    return isinstance(e, TimeoutError) or "timed out" in s or "timeout" in s
-
-
-def _init_process_group(backend: str, rank: int, world_size: int, addr: str | None, port: int | None,
-                        timeout: float, device: torch.device | None) -> None:
-    if backend not in ("gloo", "nccl"):
-        raise GradzipError(f"torch backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (CUDA)")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise GradzipError("backend nccl needs CUDA, but torch.cuda.is_available() is False; use --backend gloo")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        init_method = "env://"  # torchrun's agent hosts the store: survives the loss of rank 0
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    else:
-        addr = addr or os.environ.get("MASTER_ADDR")
-        port = port or (int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None)
-        if not addr or not port:
-            raise GradzipError("torch backend: rendezvous address unknown: set MASTER_ADDR and MASTER_PORT "
-                               "(rank 0's host and a free port)")
-        host = f"[{addr}]" if ":" in addr else addr
-        init_method, where = f"tcp://{host}:{port}", f"{addr}:{port}"
-    _bind_gloo_to_addr()
-    kwargs = {}
-    if backend == "nccl":
-        kwargs["device_id"] = device or torch.device("cuda", torch.cuda.current_device())
-    try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout), **kwargs)
-    except (RuntimeError, TimeoutError) as e:
-        msg = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
-        cls = CommTimeout if _is_timeout(e) else CommError
-        raise cls(f"init: rank {rank} of {world_size} could not rendezvous at {where} within {timeout:g} s: {msg}. "
-                  f"Check that all {world_size} ranks were started and that rank 0's host and port are "
-                  "reachable") from e
-
-
-def _bind_gloo_to_addr() -> None:
-    """``GRADZIP_BIND_ADDR`` (set per rank by ``spawn_local(bind_addrs=...)``): make Gloo use the
-    interface that owns this address (Gloo reads ``GLOO_SOCKET_IFNAME`` when it creates its device)."""
-    addr = os.environ.get("GRADZIP_BIND_ADDR")
-    if not addr or os.environ.get("GLOO_SOCKET_IFNAME"):
-        return
-    ifname = _interface_of(addr)
-    if ifname is None:
-        raise GradzipError(f"GRADZIP_BIND_ADDR={addr} is not an address of any interface on this host")
-    os.environ["GLOO_SOCKET_IFNAME"] = ifname
-
-
-def _interface_of(addr: str) -> str | None:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        for _, name in socket.if_nameindex():
-            try:
-                req = struct.pack("256s", name.encode()[:15])
-                got = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
-            except OSError:
-                continue
-            if got == addr:
-                return name
-    finally:
-        sock.close()
-    return None

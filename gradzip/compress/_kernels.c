@@ -3,8 +3,8 @@
  * Each kernel gives the same floats as the numpy/torch path it replaces (the same IEEE operations
  * in the same order), in one pass over memory instead of several. Bit order of packed signs:
  * element 8*i + j is bit j of byte i (little-endian), bit 1 = the float's sign bit is set.
- * -ffp-contract=off: no FMA the source does not ask for; only gz_outer_sgd asks (fmaf), as torch's
- * vectorized add-with-alpha does.
+ * -ffp-contract=off: no FMA the source does not ask for (none does; DiLoCo's outer step, which
+ * asks for fmaf, is gradzip/engine/_outer_sgd.c).
  */
 #include <math.h>
 #include <stdint.h>
@@ -221,49 +221,6 @@ int64_t gz_at_least(const int32_t *keys, int64_t n, int32_t thr, int32_t *idx)
         if ((keys[i] & 0x7fffffff) >= thr)
             idx[c++] = (int32_t)i;
     return c;
-}
-
-/* Whether this build has FMA (gz_outer_sgd does nothing without it). */
-int gz_has_fma(void)
-{
-#ifdef __FMA__
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* One step of torch.optim.SGD on theta[0:n] with gradient g, momentum buffer buf (NULL without
- * momentum; with first, it is started as a copy of the decayed gradient), then each of the
- * ntargets targets = theta (DiLoCo's merge). The floats of torch's AVX2/AVX-512 CPU kernels, in
- * step()'s order: add with alpha is fma(other, alpha, self), mul one rounding. g is not written.
- * Returns 0 (nothing done) when built without FMA, where those kernels do not fuse either. */
-int gz_outer_sgd(float *theta, const float *g, float *buf, int64_t n, float neg_lr, float mom,
-                 float keep, float wd, int nesterov, int first, float *const *targets, int64_t ntargets)
-{
-#ifndef __FMA__
-    (void)theta; (void)g; (void)buf; (void)n; (void)neg_lr; (void)mom; (void)keep; (void)wd;
-    (void)nesterov; (void)first; (void)targets; (void)ntargets;
-    return 0;
-#else
-    for (int64_t i0 = 0; i0 < n; i0 += 4096) { /* blocks: the targets' copies read theta from L1 */
-        int64_t i1 = i0 + 4096 < n ? i0 + 4096 : n;
-        for (int64_t i = i0; i < i1; i++) {
-            float d = g[i];
-            if (wd != 0.0f)
-                d = fmaf(theta[i], wd, d);
-            if (buf) {
-                float b = first ? d : fmaf(d, keep, buf[i] * mom);
-                buf[i] = b;
-                d = nesterov ? fmaf(b, mom, d) : b;
-            }
-            theta[i] = fmaf(d, neg_lr, theta[i]);
-        }
-        for (int64_t t = 0; t < ntargets; t++)
-            memcpy(targets[t] + i0, theta + i0, (size_t)(i1 - i0) * sizeof(float));
-    }
-    return 1;
-#endif
 }
 
 /* m[i] -= t[i], then +0 where the difference is not finite: error feedback's residual against a

@@ -1,11 +1,22 @@
-"""The compressor contract.
+"""The compressor contract: the small core every compressor implements.
 
 A compressor turns a *bucket* of gradient tensors into a *payload* (a tuple of tensors that cross
 the wire) plus a local *context*, and turns a payload back into tensors of the original shapes
-and dtypes.
+and dtypes. A new compressor is one file in ``gradzip/compress/`` (the registry imports every
+public module of the package and keeps the classes marked ``@register(name)``) with:
 
-Protocol, exactly as :class:`gradzip.engine.exchange.Exchange` drives it, once per bucket and
-step (``tensors``: the bucket's gradients, in bucket order; ``key``: the bucket's state key)::
+1. the capabilities, declared as class attributes (:data:`CAPABILITIES`; the engine, the DDP
+   adapter, the registry and ``gradzip simulate`` read them, nothing guesses from the type);
+2. ``compress(tensor, key) -> (payload, ctx)``: encode one tensor (any shape, fp32/fp16/bf16);
+3. ``decompress(payload, ctx) -> tensor``: decode one payload, this rank's or another's;
+4. ``payload_bytes(shape, dtype)``: the bytes it sends for such a tensor, over all rounds;
+5. where it keeps anything between steps: ``state_dict`` / ``load_state_dict`` (default: stateless).
+
+That is all: error feedback (``ef=true``), every exchange scheme it declares, checkpoints and every
+generic test then work. ``gradzip/compress/scaledsign.py`` is the example, in about 40 lines.
+
+How the engine drives it, once per bucket and step (``tensors``: the bucket's gradients, in bucket
+order; ``key``: the bucket's state key), as :class:`gradzip.engine.exchange.Exchange` does::
 
     payload, ctx = c.compress_batch(tensors, key)          # round 0, on the compute thread
     for r in range(1, c.rounds):                           # multi-round compressors (PowerSGD)
@@ -19,15 +30,14 @@ step (``tensors``: the bucket's gradients, in bucket order; ``key``: the bucket'
         outs = [c.aggregate([part[i] for part in parts]) for i in range(len(tensors))]
     # outs[i] is the averaged gradient of tensors[i] (same shape and dtype)
 
-The ``*_batch`` methods are the protocol. Element-wise compressors implement only the
-single-tensor methods (``compress``, ``decompress``, ``next_round``): the defaults below view the
-bucket as one flat tensor. Compressors whose unit is a tensor or a matrix (PowerSGD; error feedback,
-which wraps any compressor) derive from :class:`BucketCompressor` and implement the ``*_batch``
-methods, and declare ``per_tensor = True`` when the engine must give them tensors one parameter
-each rather than one flat view.
+The ``*_batch`` methods are provided: they view the bucket as one flat tensor and call the core
+methods. Everything else is optional and lives in :mod:`gradzip.compress.fastpaths`: compressors
+whose unit is a tensor or a matrix (PowerSGD, DeMo, error feedback) take the bucket methods over
+(:class:`~gradzip.compress.fastpaths.BucketCompressor`), and a compressor may add one-pass paths
+(decode and aggregate, fused error-feedback updates, ...) that its callers detect with
+``isinstance`` and that must give the same floats as the core path.
 
-Capabilities, declared on the class (the engine, the DDP adapter and ``gradzip simulate`` read
-them; nothing outside guesses from the type or unwraps ``.inner``):
+Capabilities (class attributes):
 
 - ``collective``: how payloads combine, ``"allreduce"`` or ``"allgather"``;
 - ``schemes``: every exchange scheme the compressor supports (default: its ``collective``); the
@@ -35,6 +45,13 @@ them; nothing outside guesses from the type or unwraps ``.inner``):
   ``twophase`` needs a compressor whose payload of a chunk decodes with any rank's context of the
   same chunk size and key (element-wise codes); ``sparse`` needs a ``(values, indices)`` payload
   of flat indices into the bucket (top-k);
+- ``biased``: whether E[decompress(compress(x))] != x;
+- ``description``: one line for ``gradzip ls``;
+- ``Config``: a dataclass of parameters; its ``__post_init__`` validates ranges, and the spec
+  parser converts ``key=value`` to the fields' types;
+- ``default_ef``: wrap in error feedback unless the spec says ``ef=false``;
+- ``rounds``: number of communication rounds (PowerSGD: 2; then implement ``next_round``);
+- ``lossless``: decompress(compress(x)) == x exactly (used by the generic tests);
 - ``per_tensor``: the bucket arrives as per-parameter tensors (PowerSGD) instead of one flat view;
 - ``identity``: the payload is the gradient itself (``none``): small tensors then ride in the same
   buckets as large ones, and there is nothing to encode;
@@ -42,8 +59,7 @@ them; nothing outside guesses from the type or unwraps ``.inner``):
   the same on every rank, and the allgather needs no size exchange: ``same_shape=True``);
 - ``own_ef``: the compressor keeps its own error feedback (``demo``: its momentum keeps what was
   not sent), so ``ef=true`` and ``ef=ef21`` would stack a second memory on it: the registry
-  ignores them, with a warning;
-- ``rounds``, ``biased``, ``lossless``, ``default_ef``.
+  ignores them, with a warning.
 
 :class:`gradzip.compress.ef.ErrorFeedback` delegates each of them to the compressor it wraps,
 except ``identity`` (its payload is the compensated gradient, not the gradient).
@@ -89,33 +105,30 @@ class NoConfig:
 
 
 class Compressor(ABC):
-    """Base class. Subclasses set the class attributes and implement the abstract methods.
+    """The core contract: the capabilities below, ``compress``, ``decompress`` and ``payload_bytes``
+    (abstract), and, where the compressor has them, several rounds (``next_round``), its own way of
+    combining the ranks' decodes (``aggregate``) and state (``state_dict``, ``load_state_dict``).
 
-    Class attributes:
-        name: registry name (set by :func:`gradzip.compress.registry.register`).
-        collective: ``"allreduce"`` or ``"allgather"``, see module docstring.
-        biased: whether E[decompress(compress(x))] != x.
-        description: one line for ``gradzip ls``.
-        Config: a dataclass of parameters; its ``__post_init__`` validates ranges.
-        default_ef: wrap in error feedback unless the spec says ``ef=false``.
-        rounds: number of communication rounds (PowerSGD: 2).
-        lossless: decompress(compress(x)) == x exactly (used by the generic tests).
-        schemes: exchange schemes supported; defaults to ``(collective,)``.
-        per_tensor: the ``*_batch`` methods want the bucket's tensors one per parameter.
-        identity: the payload is the gradient itself (``none``).
-        fixed_size: payload shapes depend only on the bucket's shapes and dtype (not its values).
-        own_ef: the compressor is its own error feedback; ``ef=true``/``ef=ef21`` are ignored.
+    Algorithm of one step, on every rank, as the exchange runs it for one bucket:
+
+    1. ``payload, ctx = compress(flat_bucket, key)``;
+    2. for each further round: allreduce the payload (mean), ``payload, ctx = next_round(reduced, ctx)``;
+    3. allreduce (mean) the last payload and ``decompress`` it; or, for ``"allgather"``, gather every
+       rank's payload, ``decompress`` each with this rank's ``ctx`` and ``aggregate`` them (mean);
+    4. the result is the bucket's averaged gradient, in its shapes and dtypes.
+
+    The class attributes are the capabilities (see the module docstring; :data:`CAPABILITIES`).
     """
 
-    name: ClassVar[str] = ""
+    name: ClassVar[str] = ""  # the registry name, set by @register
     collective: ClassVar[Collective] = "allreduce"
+    schemes: ClassVar[tuple[str, ...]] = ("allreduce",)
     biased: ClassVar[bool] = False
     description: ClassVar[str] = ""
     Config: ClassVar[type] = NoConfig
     default_ef: ClassVar[bool] = False
     rounds: ClassVar[int] = 1
     lossless: ClassVar[bool] = False
-    schemes: ClassVar[tuple[str, ...]] = ("allreduce",)
     per_tensor: ClassVar[bool] = False
     identity: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True
@@ -131,38 +144,82 @@ class Compressor(ABC):
         self.config = config if config is not None else self.Config()
         self.exchange: str = self.collective  # the scheme in use; the registry sets it from the spec
 
-    # ----------------------------------------------------------------- single tensor
+    # ----------------------------------------------------------------- what a compressor implements
     @abstractmethod
     def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:
-        """Encode ``tensor`` (any shape; fp32, fp16 or bf16). Does not modify ``tensor``."""
-
-    def next_round(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
-        """Multi-round compressors: produce the next round's payload from the reduced one."""
-        raise NotImplementedError(f"{self.name} is a single-round compressor")
+        """Encode ``tensor`` (any shape; fp32, fp16 or bf16). Does not modify ``tensor``; the payload
+        may alias it (``none``). ``key`` names the state this call may read and update."""
 
     @abstractmethod
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        """Decode a payload into a tensor of the original shape and dtype."""
-
-    def aggregate(self, tensors: list[Tensor]) -> Tensor:
-        """Combine the ranks' decompressed tensors (allgather compressors). Default: mean."""
-        out = tensors[0].clone()
-        for t in tensors[1:]:
-            out += t
-        return out.div_(len(tensors))
+        """Decode a payload (this rank's, a reduced one, or another rank's) into a tensor of the
+        original shape and dtype."""
 
     @abstractmethod
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
         """Exact payload bytes, summed over all rounds, for one tensor of ``shape``."""
 
-    # ----------------------------------------------------------------- buckets (the protocol)
-    # The engine hands a compressor a whole bucket. Element-wise compressors see it as one flat
-    # tensor (the defaults below); PowerSGD overrides these to work per matrix, batched by shape.
+    def next_round(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
+        """Multi-round compressors (``rounds > 1``): the next round's payload from the reduced one."""
+        raise NotImplementedError(f"{self.name} is a single-round compressor")
+
+    def aggregate(self, tensors: list[Tensor]) -> Tensor:
+        """Combine the ranks' decompressed tensors (allgather compressors). Default: the mean, in
+        rank order."""
+        out = tensors[0].clone()
+        for t in tensors[1:]:
+            out += t
+        return out.div_(len(tensors))
+
+    def ef_caveat(self) -> str | None:
+        """A warning to show when this configuration is wrapped in error feedback, or None."""
+        return None
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that persists between steps, as a snapshot that later steps do not change
+        (copies, not the live tensors). Stateless compressors return ``{}``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.name} is stateless but got state keys {sorted(state)}")
+
+    # The engine skips a step on every rank when some rank's gradient is not finite; the state
+    # updates of that step (error memory, Q, counters) must then not happen either.
+    def begin_step(self) -> None:
+        """Open a step whose state updates :meth:`end_step` may undo. Default: remember a
+        ``state_dict()`` snapshot (cheap for small states: Q, counters); error feedback instead
+        double-buffers its memory, so that neither outcome costs a copy."""
+        self._undo = self.state_dict()
+
+    def end_step(self, keep: bool) -> None:
+        """Close the step opened by :meth:`begin_step`: keep its state updates, or undo them.
+        Without an open step (a caller that never calls ``begin_step``) it does nothing."""
+        undo = self.__dict__.pop("_undo", None)
+        if not keep and undo is not None:
+            self.load_state_dict(undo)
+
+    # A caller whose buckets change (DDP rebuilds its buckets after the first step) moves each
+    # parameter's residual to its new key and frees the old keys.
+    def residuals(self, key: str) -> list[Tensor] | None:
+        """The error memory of ``key``, one tensor per tensor of the bucket (views), or None
+        (no memory for it, or a compressor without memory)."""
+        return None
+
+    def set_residuals(self, key: str, tensors: Sequence[Tensor]) -> None:
+        """Make ``tensors`` (copied) the error memory of ``key``. Compressors without memory ignore it."""
+
+    def forget(self, key: str) -> None:
+        """Drop every state entry of ``key`` (the key itself and its sub-keys ``key/...``)."""
+
+    # ----------------------------------------------------------------- a bucket (provided)
+    # What the engine calls. Here the bucket is one flat tensor through the methods above; a
+    # compressor whose unit is a tensor or a matrix overrides these four (fastpaths.BucketCompressor).
     def compress_batch(self, tensors: Sequence[Tensor], key: str = "") -> tuple[Payload, Any]:
         """Encode a bucket (round 0). Does not modify ``tensors`` (error feedback keeps its own
         memory); the payload may alias them (``none``), which the Exchange contract allows."""
-        flat = flatten(tensors)
-        payload, ctx = self.compress(flat, key)
+        payload, ctx = self.compress(flatten(tensors), key)
         return payload, _BatchCtx(ctx, [t.shape for t in tensors])
 
     def next_round_batch(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
@@ -179,124 +236,7 @@ class Compressor(ABC):
         """Exact payload bytes for a bucket of tensors with these shapes."""
         return self.payload_bytes(sum(_numel(s) for s in shapes), dtype)
 
-    def subtract_sent(self, payload: Payload, ctx: Any, flat: Tensor) -> bool:
-        """Error feedback's step 4 fused: ``flat -= decompress(payload)`` in place, where ``flat`` is
-        the fp32 tensor that ``payload`` was compressed from (the compensated bucket, read flat).
-        Return False (the default) when not implemented: error feedback then decodes into a new
-        buffer and subtracts. An implementation must give the same floats as that path."""
-        return False
-
-    def subtract_sent_batch(self, payload: Payload, ctx: Any, flat: Tensor) -> bool:
-        """:meth:`subtract_sent` for a bucket compressed by the default :meth:`compress_batch`."""
-        return isinstance(ctx, _BatchCtx) and self.subtract_sent(payload, ctx.inner, flat)
-
-    def compress_subtract(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any] | None:
-        """Error feedback's encode and residual in one pass: :meth:`compress` ``tensor`` (flat,
-        fp32) and turn it into ``tensor − decompress(payload)`` while reading it (mutates its input
-        into the error buffer). None (the default; nothing touched) when not implemented: error
-        feedback then compresses and calls :meth:`subtract_sent`. An implementation must give the
-        same payload and floats as that path (1-bit codes: a C kernel, see ``native``)."""
-        return None
-
-    def compress_subtract_batch(self, flat: Tensor, shapes: Sequence[torch.Size], key: str = "") \
-            -> tuple[Payload, Any] | None:
-        """:meth:`compress_subtract` for a bucket whose tensors lie back to back in ``flat``."""
-        if type(self).compress_batch is not Compressor.compress_batch:
-            return None
-        out = self.compress_subtract(flat, key)
-        return None if out is None else (out[0], _BatchCtx(out[1], list(shapes)))
-
-    #: Error feedback keeps the residual against the *reduced* result this rank decodes (its
-    #: :meth:`decompress_batch` output) rather than against its own payload: for multi-round
-    #: allreduce compressors whose decode already computes the approximation (PowerSGD's
-    #: ``residual=reduced``), which saves decoding the local payload. See :meth:`subtract_output`.
-    residual_from_output: bool = False
-
-    def subtract_output(self, out: list[Tensor], ctx: Any, memory: list[Tensor]) -> bool:
-        """With :attr:`residual_from_output`: ``memory`` (the compensated tensors, fp32) minus
-        ``out`` (this rank's decode of the reduced payload), in place; the default subtracts every
-        tensor. Override it where some tensors travel exactly (their residual is zero). True when
-        the non-finite entries of the result are zeroed too (:func:`sub_finite_`): error feedback
-        then skips that pass."""
-        return all([sub_finite_(m, o) for m, o in zip(memory, out)])
-
-    def sent_proves_finite(self, payload: Payload, ctx: Any) -> bool:
-        """True when ``payload`` shows, at no cost and without a device sync, that every entry of
-        the tensor it was compressed from is finite (top-k: the largest magnitudes are finite, and
-        the selection ranks inf and NaN first). Error feedback then skips its pass that zeroes
-        non-finite residual entries. False (the default): not known, the pass runs."""
-        return False
-
-    def sent_proves_finite_batch(self, payload: Payload, ctx: Any) -> bool:
-        """:meth:`sent_proves_finite` for a bucket compressed by the default :meth:`compress_batch`."""
-        return isinstance(ctx, _BatchCtx) and self.sent_proves_finite(payload, ctx.inner)
-
-    def decode_aggregate(self, payloads: list[Payload], ctx: Any) -> Tensor | None:
-        """``aggregate([decompress(p, ctx) for p in payloads])`` in one pass, without a full-size
-        decode per rank (allgather compressors: the ranks' payloads in rank order). None (the
-        default) when not implemented: the exchange then decodes each payload and aggregates.
-        An implementation must give the same floats as that path, and be a pure function of the
-        payloads and ``ctx`` (no state read or changed): ``sim`` workers that gathered the same
-        payloads share one call's result."""
-        return None
-
-    def decode_aggregate_batch(self, payloads: list[Payload], ctx: Any) -> list[Tensor] | None:
-        """:meth:`decode_aggregate` for buckets compressed by the default :meth:`compress_batch`."""
-        if not isinstance(ctx, _BatchCtx):
-            return None
-        out = self.decode_aggregate(payloads, ctx.inner)
-        return None if out is None else unflatten(out, ctx.shapes)
-
-    def credit(self, key: str, indices: Tensor, values: Tensor) -> None:
-        """An exchange scheme dropped ``values`` of this rank's own payload of ``key``, at flat
-        ``indices`` of the bucket (``exchange=sparse``). Error feedback adds them back to its
-        memory; a compressor without memory has nowhere to keep them and ignores them."""
-
-    def ef_caveat(self) -> str | None:
-        """A warning to show when this configuration is wrapped in error feedback, or None."""
-        return None
-
-    # ----------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything that persists between steps, as a snapshot that later steps do not change
-        (copies, not the live tensors). Stateless compressors return ``{}``."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            raise ValueError(f"{self.name} is stateless but got state keys {sorted(state)}")
-
-    # ----------------------------------------------------------------- steps that may be undone
-    # The engine skips a step on every rank when some rank's gradient is not finite; the state
-    # updates of that step (error memory, Q, counters) must then not happen either.
-    def begin_step(self) -> None:
-        """Open a step whose state updates :meth:`end_step` may undo. Default: remember a
-        ``state_dict()`` snapshot (cheap for small states: Q, counters); error feedback instead
-        double-buffers its memory, so that neither outcome costs a copy."""
-        self._undo = self.state_dict()
-
-    def end_step(self, keep: bool) -> None:
-        """Close the step opened by :meth:`begin_step`: keep its state updates, or undo them.
-        Without an open step (a caller that never calls ``begin_step``) it does nothing."""
-        undo = self.__dict__.pop("_undo", None)
-        if not keep and undo is not None:
-            self.load_state_dict(undo)
-
-    # ----------------------------------------------------------------- state by key
-    # A caller whose buckets change (DDP rebuilds its buckets after the first step) moves each
-    # parameter's residual to its new key and frees the old keys.
-    def residuals(self, key: str) -> list[Tensor] | None:
-        """The error memory of ``key``, one tensor per tensor of the bucket (views), or None
-        (no memory for it, or a compressor without memory)."""
-        return None
-
-    def set_residuals(self, key: str, tensors: Sequence[Tensor]) -> None:
-        """Make ``tensors`` (copied) the error memory of ``key``. Compressors without memory ignore it."""
-
-    def forget(self, key: str) -> None:
-        """Drop every state entry of ``key`` (the key itself and its sub-keys ``key/...``)."""
-
-    # ----------------------------------------------------------------- misc
+    # ----------------------------------------------------------------- the spec
     @property
     def spec(self) -> str:
         """Canonical spec string, e.g. ``topk:ratio=0.01``; parses back to an equal compressor."""
@@ -314,6 +254,11 @@ class Compressor(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec}>"
+
+
+#: The capabilities a compressor declares (class attributes of :class:`Compressor`; ``name`` is
+#: the registry's). docs/compressors.md lists each of them (tests/test_docs.py checks it).
+CAPABILITIES: tuple[str, ...] = tuple(k for k in Compressor.__annotations__ if k != "name")
 
 
 class KeyCounters:
@@ -376,21 +321,6 @@ class ReplacedState:
             raise ValueError(f"{getattr(self, 'name', '')}: unexpected state keys {sorted(state)}; "
                              f"expected {self.state_key!r}")
         self.state = {str(k): v.clone() for k, v in state.get(self.state_key, {}).items()}
-
-
-class BucketCompressor(Compressor):
-    """Base for compressors whose native unit is a bucket of tensors (PowerSGD works per matrix,
-    error feedback per tensor): they implement the ``*_batch`` methods, and a single tensor is a
-    bucket of one. Set ``per_tensor = True`` to receive one tensor per parameter."""
-
-    def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Any]:
-        return self.compress_batch([tensor], key)
-
-    def next_round(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
-        return self.next_round_batch(reduced, ctx)
-
-    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        return self.decompress_batch(payload, ctx)[0]
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """``demo``: DeMo's compressor (Peng, Quesnelle & Kingma 2024, "Decoupled Momentum Optimization").
 
 Per tensor and step, on each rank (g: the input, lr·(local gradient) from the DeMo optimizer,
-:mod:`gradzip.training.demo_optim`; δ: fp32 state per key, a new tensor each step):
+:mod:`gradzip.optim.demo`; δ: fp32 state per key, a new tensor each step):
 
 1. δ ← decay·δ + g, non-finite entries of g taken as 0 (the engine skips such steps and undoes δ);
 2. the chunked 2-D DCT-II of δ (orthonormal; chunk × chunk, an axis's last chunk the rest, no
@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from gradzip.compress import dct
-from gradzip.compress.base import BucketCompressor, Payload, ReplacedState
+from gradzip.compress.base import Payload, ReplacedState
+from gradzip.compress.fastpaths import BucketCompressor, DecodeAggregate
 from gradzip.compress.registry import register
 
 
@@ -51,7 +52,7 @@ class _Ctx:
 
 
 @register("demo")
-class DeMo(ReplacedState, BucketCompressor):
+class DeMoCompressor(DecodeAggregate, ReplacedState, BucketCompressor):
     collective = "allgather"
     schemes = ("allgather",)
     biased = True

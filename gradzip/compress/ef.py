@@ -36,15 +36,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import (
+from gradzip.compress.base import Compressor, Payload, cast_saturating, flatten, key_under, sub_finite_, unflatten
+from gradzip.compress.fastpaths import (
     BucketCompressor,
-    Compressor,
-    Payload,
-    cast_saturating,
-    flatten,
-    key_under,
-    sub_finite_,
-    unflatten,
+    CompressSubtract,
+    Credit,
+    DecodeAggregate,
+    ProvesFinite,
+    ResidualFromOutput,
+    SubtractSent,
 )
 
 
@@ -65,8 +65,9 @@ def _unalias(payload: Payload, buffers: Sequence[Tensor]) -> Payload:
     return tuple(p.clone() if p.numel() and p.untyped_storage().data_ptr() in ptrs else p for p in payload)
 
 
-class ErrorFeedback(BucketCompressor):
-    """Wraps ``inner``; holds one fp32 residual list per key."""
+class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
+    """Wraps ``inner``; holds one fp32 residual list per key. Takes the inner compressor's optional
+    paths (:mod:`gradzip.compress.fastpaths`) where it has them, else the core path."""
 
     def __init__(self, inner: Compressor) -> None:
         super().__init__(inner.config)
@@ -90,7 +91,7 @@ class ErrorFeedback(BucketCompressor):
         self.lossless = inner.lossless
         self.description = inner.description
         self.Config = inner.Config
-        self.residual_from_output = inner.residual_from_output
+        self.residual_from_output = isinstance(inner, ResidualFromOutput) and inner.residual_from_output
         if self.residual_from_output and (inner.collective != "allreduce" or inner.rounds < 2):
             raise ValueError(f"{inner.name}: a residual against the reduced result needs a multi-round "
                              "allreduce compressor (each rank decodes the reduced payload once)")
@@ -140,7 +141,7 @@ class ErrorFeedback(BucketCompressor):
         # and go back to holding the residual in _update_memory.
         flat, mem = self._working(key, tensors)
         fused = self.inner.compress_subtract_batch(flat, [m.shape for m in mem], key) \
-            if self.inner.rounds == 1 else None
+            if self.inner.rounds == 1 and isinstance(self.inner, CompressSubtract) else None
         payload, inner_ctx = fused if fused is not None else self.inner.compress_batch(mem, key)
         payload = _unalias(payload, mem)
         ctx = _EFCtx(inner_ctx, key, mem, [t.dtype for t in tensors], flat=flat)
@@ -162,18 +163,20 @@ class ErrorFeedback(BucketCompressor):
         # zeroes the sent entries, sign codes subtract ±scale, or already did while encoding:
         # ``subtracted``), else decode and subtract.
         assert ctx.flat is not None
+        inner = self.inner
         cleaned = False  # the subtraction zeroed non-finite entries as it went (sub_finite_)
         if subtracted:
             pass
         elif self.residual_from_output:  # payload: the decode of the reduced result (decompress_batch)
-            cleaned = bool(self.inner.subtract_output(list(payload), ctx.inner, ctx.compensated))
-        elif not self.inner.subtract_sent_batch(payload, ctx.inner, ctx.flat):
-            transmitted = self.inner.decompress_batch(payload, ctx.inner)
+            assert isinstance(inner, ResidualFromOutput)
+            cleaned = bool(inner.subtract_output(list(payload), ctx.inner, ctx.compensated))
+        elif not (isinstance(inner, SubtractSent) and inner.subtract_sent_batch(payload, ctx.inner, ctx.flat)):
+            transmitted = inner.decompress_batch(payload, ctx.inner)
             cleaned = all([sub_finite_(m, t) for m, t in zip(ctx.compensated, transmitted)])
         # A non-finite gradient (an fp16 overflow step that the grad scaler skips) would poison the
         # memory for good: zero those entries (no host sync, unlike an isfinite().all() check),
         # unless that is done or the payload proves the compensated gradient finite (one pass saved).
-        if not cleaned and not self.inner.sent_proves_finite_batch(payload, ctx.inner):
+        if not cleaned and not (isinstance(inner, ProvesFinite) and inner.sent_proves_finite_batch(payload, ctx.inner)):
             ctx.flat.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         ctx.compensated = ctx.flat = None
 
@@ -210,7 +213,7 @@ class ErrorFeedback(BucketCompressor):
     def decode_aggregate_batch(self, payloads: list[Payload], ctx: Any) -> list[Tensor] | None:
         # The decoded parts are cast to the gradients' dtypes before they are aggregated: the one
         # pass gives the same floats only when that cast is the identity (fp32 gradients).
-        if any(d != torch.float32 for d in ctx.dtypes):
+        if not isinstance(self.inner, DecodeAggregate) or any(d != torch.float32 for d in ctx.dtypes):
             return None
         return self.inner.decode_aggregate_batch(payloads, ctx.inner)
 

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compress.base import BucketCompressor, Compressor, Payload, cast_saturating, key_under
+from gradzip.compress.base import Compressor, Payload, cast_saturating, key_under
+from gradzip.compress.fastpaths import BucketCompressor
 
 
 @dataclass

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compress.base import Compressor, Payload, numel_of
+from gradzip.compress.fastpaths import DecodeAggregate, SubtractSent
 from gradzip.compress.registry import register
 
 BINS = 256
@@ -57,7 +58,7 @@ class Int8BinsConfig:
 
 
 @register("int8bins")
-class Int8Bins(Compressor):
+class Int8Bins(DecodeAggregate, SubtractSent, Compressor):
     collective = "allgather"
     schemes = ("allgather", "twophase")
     biased = True

@@ -7,7 +7,6 @@ two to four:
 
 - :func:`sign_pack_sub`: pack the sign bits and subtract ``copysign(scale, x)`` (1-bit EF);
 - :func:`sum_signs`: the mean of n ranks' ``±scale`` codes, without a decode per rank;
-- :func:`outer_sgd`: DiLoCo's outer SGD step and the copy back into the model (engine/outer_step.py);
 - :func:`sub_finite`: error feedback's residual against a decoded payload, non-finite entries zeroed;
 - :func:`at_least`: top-k's candidate filter (the indices whose magnitude reaches a threshold);
 - :func:`unpack_votes` and :func:`majority_decode`: ``signsgd``'s majority vote, counted and decoded
@@ -15,6 +14,12 @@ two to four:
 
 Every kernel gives the same floats as the path it replaces (tests/test_native.py checks it bit for
 bit), so results never depend on whether the kernels are in use.
+
+Kernels of other packages use the same builder and switch: :func:`build` compiles a C source beside
+its Python binding (DiLoCo's outer step: ``gradzip/engine/_outer_sgd.c``, bound in
+:mod:`gradzip.engine.outer_step`), :func:`ranges` and :func:`run_ranges` split a kernel's work over
+the intra-op threads, and such a kernel is used only where :func:`lib` is (``GRADZIP_NATIVE=0``
+turns every kernel off).
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -shared -fPIC``, once per source and CPU, into
 the gradzip cache (``$GRADZIP_CACHE``, else ``$XDG_CACHE_HOME/gradzip``, else ``~/.cache/gradzip``)
@@ -68,19 +73,22 @@ def _cpu_id() -> str:
         return platform.machine() + platform.processor()
 
 
-def _build() -> ctypes.CDLL:
+def build(source: Path) -> ctypes.CDLL:
+    """Compile the C file ``source`` (once per source text, compiler, flags and CPU, into the cache as
+    ``STEM-TAG.so``, the stem without its leading ``_``) and load it; the caller declares the
+    functions' ctypes signatures. Raises RuntimeError, OSError or SubprocessError when it cannot."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
-    src = _SOURCE.read_bytes()
+    src, stem = source.read_bytes(), source.stem.lstrip("_")
     tag = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"kernels-{tag}.so"
+    out = _cache_dir() / f"{stem}-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".kernels-", suffix=".so")
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{stem}-", suffix=".so")
         os.close(fd)
         try:
-            res = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
+            res = subprocess.run([cc, *_FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120)
             if res.returncode != 0:
                 last = (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
                 raise RuntimeError(f"{cc} failed: {last}")
@@ -88,7 +96,11 @@ def _build() -> ctypes.CDLL:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+    return ctypes.CDLL(str(out))
+
+
+def _build() -> ctypes.CDLL:
+    lib = build(_SOURCE)
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.gz_sign_pack_sub.argtypes = [ptr, i64, f32, ptr, ctypes.c_int]
     lib.gz_sign_pack_sub.restype = None
@@ -100,12 +112,8 @@ def _build() -> ctypes.CDLL:
     lib.gz_majority_decode.restype = ctypes.c_int
     lib.gz_at_least.argtypes = [ptr, i64, ctypes.c_int32, ptr]
     lib.gz_at_least.restype = i64
-    lib.gz_outer_sgd.argtypes = [ptr, ptr, ptr, i64, f32, f32, f32, f32, ctypes.c_int, ctypes.c_int, ptr, i64]
-    lib.gz_outer_sgd.restype = ctypes.c_int
     lib.gz_sub_finite.argtypes = [ptr, ptr, i64]
     lib.gz_sub_finite.restype = None
-    lib.gz_has_fma.argtypes = []
-    lib.gz_has_fma.restype = ctypes.c_int
     return lib
 
 
@@ -145,7 +153,7 @@ def usable(t: Tensor, dtype: torch.dtype) -> bool:
     return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and lib() is not None
 
 
-def _parts(n: int, align: int) -> list[tuple[int, int]]:
+def ranges(n: int, align: int) -> list[tuple[int, int]]:
     """[start, end) ranges, one per intra-op thread (``torch.get_num_threads()``), cut at multiples of
     ``align``; one range for small ``n``, where starting threads would cost more than they save."""
     threads = torch.get_num_threads()
@@ -155,7 +163,7 @@ def _parts(n: int, align: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def _run(parts: list[tuple[int, int]], fn: Callable[[int, int], Any]) -> list[Any]:
+def run_ranges(parts: list[tuple[int, int]], fn: Callable[[int, int], Any]) -> list[Any]:
     """``fn`` on every range, on the pool's threads (ctypes releases the GIL during each call)."""
     global _pool
     if len(parts) == 1:
@@ -187,7 +195,7 @@ def sign_pack_sub(x: Tensor, scale: float | None) -> Tensor | None:
     n = x.numel()
     out = torch.empty((n + 7) // 8, dtype=torch.uint8)
     xp, op, sc, sub = x.data_ptr(), out.data_ptr(), 0.0 if scale is None else scale, int(scale is not None)
-    _run(_parts(n, 64), lambda a, b: k.gz_sign_pack_sub(xp + 4 * a, b - a, sc, op + a // 8, sub))
+    run_ranges(ranges(n, 64), lambda a, b: k.gz_sign_pack_sub(xp + 4 * a, b - a, sc, op + a // 8, sub))
     return out
 
 
@@ -215,7 +223,7 @@ def sum_signs(packeds: list[Tensor], scales: list[Tensor | float], divisor: floa
         return k.gz_sum_signs((ctypes.c_void_p * len(ptrs))(*[q + a for q in ptrs]), vals, len(ptrs), b - a,
                               divisor, op + 32 * a)
 
-    return out if all(_run(_byte_parts(packeds[0].numel()), part)) else None
+    return out if all(run_ranges(_byte_ranges(packeds[0].numel()), part)) else None
 
 
 def majority_decode(packeds: list[Tensor], scale: Tensor | float) -> Tensor | None:
@@ -232,12 +240,12 @@ def majority_decode(packeds: list[Tensor], scale: Tensor | float) -> Tensor | No
         return k.gz_majority_decode((ctypes.c_void_p * len(ptrs))(*[q + a for q in ptrs]), len(ptrs), b - a,
                                     sc, op + 32 * a)
 
-    return out if all(_run(_byte_parts(packeds[0].numel()), part)) else None
+    return out if all(run_ranges(_byte_ranges(packeds[0].numel()), part)) else None
 
 
-def _byte_parts(nbytes: int) -> list[tuple[int, int]]:
-    """:func:`_parts` of packed bytes, each standing for 8 elements."""
-    return [(a // 8, min(b // 8, nbytes)) for a, b in _parts(8 * nbytes, 64)]
+def _byte_ranges(nbytes: int) -> list[tuple[int, int]]:
+    """:func:`ranges` of packed bytes, each standing for 8 elements."""
+    return [(a // 8, min(b // 8, nbytes)) for a, b in ranges(8 * nbytes, 64)]
 
 
 def unpack_votes(negative: Tensor, tie: Tensor | None, scale: Tensor | float) -> Tensor | None:
@@ -248,7 +256,7 @@ def unpack_votes(negative: Tensor, tie: Tensor | None, scale: Tensor | float) ->
         return None
     out = _out(negative.numel())
     np_, tp, op, sc = negative.data_ptr(), None if tie is None else tie.data_ptr(), out.data_ptr(), _f32(scale)
-    _run(_byte_parts(negative.numel()),
+    run_ranges(_byte_ranges(negative.numel()),
          lambda a, b: k.gz_unpack_votes(np_ + a, None if tp is None else tp + a, b - a, sc, op + 32 * a))
     return out
 
@@ -262,7 +270,7 @@ def sub_finite(m: Tensor, t: Tensor) -> bool:
     if k is None or m.numel() != t.numel() or not (usable(m, torch.float32) and usable(t, torch.float32)):
         return False
     mp, tp = m.data_ptr(), t.data_ptr()
-    _run(_parts(m.numel(), 16), lambda a, b: k.gz_sub_finite(mp + 4 * a, tp + 4 * a, b - a))
+    run_ranges(ranges(m.numel(), 16), lambda a, b: k.gz_sub_finite(mp + 4 * a, tp + 4 * a, b - a))
     return True
 
 
@@ -273,49 +281,9 @@ def at_least(keys: Tensor, thr: int) -> Tensor | None:
         return None
     idx = torch.empty(keys.numel(), dtype=torch.int32)  # untouched pages cost nothing: ~1.5 k are written
     kp, ip = keys.data_ptr(), idx.data_ptr()
-    parts = _parts(keys.numel(), 64)
-    counts = _run(parts, lambda a, b: k.gz_at_least(kp + 4 * a, b - a, int(thr), ip + 4 * a))
+    parts = ranges(keys.numel(), 64)
+    counts = run_ranges(parts, lambda a, b: k.gz_at_least(kp + 4 * a, b - a, int(thr), ip + 4 * a))
     if len(parts) == 1:
         return idx[:counts[0]].clone()
     # each range's indices are relative to its start, and written at its start
     return torch.cat([idx[a:a + c] + a for (a, _), c in zip(parts, counts)])
-
-
-
-def outer_sgd_ready() -> bool:
-    """Whether :func:`outer_sgd` can run: the kernels are loaded, built with FMA, and torch's CPU
-    kernels (whose floats it reproduces) are its AVX2 or AVX-512 ones."""
-    k = lib()
-    return k is not None and bool(k.gz_has_fma()) and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-def sgd_scalars(group: dict[str, Any]) -> tuple[float, float, float, float, int]:
-    """An SGD param group's (−lr, momentum, 1 − dampening, weight decay, nesterov), rounded to fp32
-    as torch's kernels round them: :func:`outer_sgd`'s settings."""
-    return (_f32(-float(group["lr"])), _f32(float(group["momentum"])), _f32(1 - float(group["dampening"])),
-            _f32(float(group["weight_decay"])), int(bool(group["nesterov"])))
-
-
-def outer_sgd(theta: Tensor, grad: Tensor, buf: Tensor | None, scalars: tuple[float, float, float, float, int],
-              first: bool, targets: list[Tensor]) -> bool:
-    """One ``torch.optim.SGD`` step (:func:`sgd_scalars` of its group) on ``theta`` with gradient
-    ``grad`` and momentum buffer ``buf`` (None without momentum; started as a copy when ``first``),
-    then ``target.copy_(theta)`` for each target, in one pass over memory. Mutates ``theta``, ``buf``
-    and the targets, not ``grad``; shapes may differ, sizes may not. The floats of torch's AVX2 and
-    AVX-512 kernels, whose add-with-alpha is one fused multiply-add (check :func:`outer_sgd_ready`
-    first). False (nothing done) when a tensor is not a contiguous fp32 CPU tensor of that size."""
-    k = lib()
-    n = theta.numel()
-    tensors = [theta, grad, *targets] + ([buf] if buf is not None else [])
-    if k is None or not all(usable(t, torch.float32) and t.numel() == n for t in tensors):
-        return False
-    tp, gp, bp = theta.data_ptr(), grad.data_ptr(), None if buf is None else buf.data_ptr()
-    outs = [t.data_ptr() for t in targets]
-    neg_lr, mom, keep, wd, nesterov = scalars
-
-    def part(a: int, b: int) -> int:
-        ptrs = (ctypes.c_void_p * max(1, len(outs)))(*[q + 4 * a for q in outs])
-        return k.gz_outer_sgd(tp + 4 * a, gp + 4 * a, None if bp is None else bp + 4 * a, b - a, neg_lr, mom,
-                              keep, wd, nesterov, int(first), ptrs, len(outs))
-
-    return all(_run(_parts(n, 16), part))

@@ -26,10 +26,11 @@ from torch import Tensor
 from gradzip.compress import native
 from gradzip.compress.base import Compressor, Payload, numel_of
 from gradzip.compress.bitpack import mean_abs, pack_signs, packed_numel, sum_signs, unpack_signs
+from gradzip.compress.fastpaths import CompressSubtract, DecodeAggregate, ProvesFinite, SubtractSent
 from gradzip.compress.registry import register
 
 
-class SignCode(Compressor):
+class SignCode(DecodeAggregate, CompressSubtract, SubtractSent, ProvesFinite, Compressor):
     """Shared by ``onebit`` and ``signsgd``: payload (packed sign bits, fp32 scale = mean |g|)."""
 
     collective = "allgather"

@@ -49,7 +49,8 @@ from gradzip.compress._linalg import (
     orthonormalize,
     seeded_normal,
 )
-from gradzip.compress.base import BucketCompressor, Payload, key_under, numel_of, sub_finite_, unflatten
+from gradzip.compress.base import Payload, key_under, numel_of, sub_finite_, unflatten
+from gradzip.compress.fastpaths import BucketCompressor, ResidualFromOutput
 from gradzip.compress.registry import register
 
 
@@ -71,7 +72,7 @@ class PowerSGDConfig:
 
 
 @register("powersgd")
-class PowerSGD(BucketCompressor):
+class PowerSGD(ResidualFromOutput, BucketCompressor):
     collective = "allreduce"
     biased = True
     default_ef = True

@@ -25,9 +25,9 @@ import pkgutil
 import types
 import typing
 import warnings
+from pathlib import Path
 from typing import Any
 
-import gradzip.compress as pkg
 from gradzip.compress.base import SCHEMES, Compressor
 from gradzip.compress.ef import ErrorFeedback
 from gradzip.compress.ef21 import EF21
@@ -65,7 +65,7 @@ def _load_all() -> None:
         return
     # Every public module of the package is imported; the @register decorator, not a list, decides
     # what is a compressor (helpers such as bitpack or select simply register nothing).
-    for mod in pkgutil.iter_modules(pkg.__path__):
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):  # this package's folder: no import cycle
         if not mod.name.startswith("_"):
             importlib.import_module(f"gradzip.compress.{mod.name}")
     _LOADED = True
@@ -112,10 +112,21 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
         if not eq or not k.strip():
             raise SpecError(f"bad parameter {item!r} in compressor spec {spec!r}: expected key=value")
         k = k.strip().lower().replace("-", "_")
+        if any(c.isspace() for c in k + v.strip()):
+            fixed = ",".join(",".join(p.split()) for p in rest.split(",") if p.strip())
+            raise SpecError(f"compressor spec {spec!r} has a space inside {item!r}: separate parameters with "
+                            f"commas, e.g. {name.strip().lower()}:{fixed}")
         if k in params:
             raise SpecError(f"parameter {k!r} given twice in compressor spec {spec!r}")
         params[k] = v.strip()
     return name, params
+
+
+def normalize_spec(spec: str) -> str:
+    """``spec`` with its name and keys in their registered spelling (``topK:Ratio=0.01`` →
+    ``topk:ratio=0.01``); the values stay as written. What configs, labels and run names echo."""
+    name, params = parse_spec(spec)
+    return name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else "")
 
 
 def create(spec: str | Compressor) -> Compressor:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compress.base import Compressor, Payload, numel_of
+from gradzip.compress.fastpaths import DecodeAggregate, SubtractSent
 from gradzip.compress.registry import register
 from gradzip.compress.select import topk_indices
 from gradzip.compress.topk import _SELF_VALUES, TopK, _Ctx, k_of
@@ -50,7 +51,7 @@ class ThresholdConfig:
 
 
 @register("threshold")
-class Threshold(Compressor):
+class Threshold(DecodeAggregate, SubtractSent, Compressor):
     collective = "allgather"
     schemes = ("allgather",)
     biased = True

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compress.base import Compressor, Payload, numel_of
+from gradzip.compress.fastpaths import DecodeAggregate, ProvesFinite, SubtractSent
 from gradzip.compress.registry import register
 from gradzip.compress.select import sparse_to_dense, topk_indices
 
@@ -64,7 +65,7 @@ _SELF_VALUES: set = set()  # compress methods whose values are the input's own e
 
 
 @register("topk")
-class TopK(Compressor):
+class TopK(DecodeAggregate, SubtractSent, ProvesFinite, Compressor):
     collective = "allgather"
     schemes = ("allgather", "twophase", "sparse")
     biased = True

@@ -37,9 +37,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from gradzip.data import harvest
+from gradzip.data.progress import progress_bar
 from gradzip.errors import GradzipError
 from gradzip.io import file_lock
 
@@ -192,19 +191,24 @@ def write_corpus(directory: Path, docs: Iterable[list[str]], source: str, descri
 
 
 def _utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of a UTF-8 file; a clear error for binary or undecodable content."""
-    with open(path, "rb") as fh:
-        if b"\0" in fh.read(8192):
-            raise GradzipError(f"{path} is a binary file (it contains NUL bytes); give UTF-8 text, JSONL or a "
-                               f"directory of them")
-        fh.seek(0)
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise GradzipError(f"{path} is not UTF-8 text (undecodable byte at line {lineno}, column "
-                                   f"{e.start + 1}); convert it, e.g. iconv -f latin1 -t utf-8") from None
-            yield lineno, line.lstrip("\ufeff") if lineno == 1 else line
+    """(line number, text) of a UTF-8 file; a clear error for an unreadable file and for binary or
+    undecodable content."""
+    try:
+        with open(path, "rb") as fh:
+            if b"\0" in fh.read(8192):
+                raise GradzipError(f"{path} is a binary file (it contains NUL bytes); give UTF-8 text, JSONL or a "
+                                   f"directory of them")
+            fh.seek(0)
+            for lineno, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise GradzipError(f"{path} is not UTF-8 text (undecodable byte at line {lineno}, column "
+                                       f"{e.start + 1}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+                yield lineno, line.lstrip("\ufeff") if lineno == 1 else line
+    except OSError as e:  # unreadable (permissions), or the file system failed mid-read
+        raise GradzipError(f"cannot read corpus file {path} ({e.strerror or type(e).__name__}); make it readable "
+                           "or give another corpus") from None
 
 
 def _text_documents(path: Path) -> Iterator[list[str]]:
@@ -262,7 +266,7 @@ def corpus_files(root: Path) -> list[Path]:
 
 
 def _file_documents(files: list[Path], single: bool, progress: bool) -> Iterator[list[str]]:
-    for path in tqdm(files, desc="reading corpus", unit="file", disable=not progress or len(files) < 2):
+    for path in progress_bar(files, desc="reading corpus", unit="file", disable=not progress or len(files) < 2):
         if path.stat().st_size == 0:
             if single:
                 raise GradzipError(f"{path} is empty; give a file with text (documents separated by blank lines)")
@@ -335,7 +339,7 @@ def _load_hf(spec: str, root: Path, progress: bool) -> Corpus:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GradzipError(f"cannot load dataset {name!r} (config {config!r}, split {split!r}): {first[:200]}; "
                                f"check the name and the network, or use a local corpus") from None
-        records = tqdm(ds, desc=f"reading {name}", unit="rec", disable=not progress_enabled(progress))
+        records = progress_bar(ds, desc=f"reading {name}", unit="rec", disable=not progress_enabled(progress))
         with staging(final) as tmp:
             return _finish(write_corpus(tmp, _hf_documents(name, config, split, records), spec,
                                         f"Hugging Face dataset {name} ({config or 'default'}, {split})"), final)

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from gradzip.data.corpus import Corpus, locked, staging
+from gradzip.data.progress import progress_bar
 from gradzip.data.tokenizer import WordPieceTokenizer
 from gradzip.errors import GradzipError
 
@@ -106,8 +106,8 @@ def _tokenize_into(directory: Path, corpus: Corpus, tok: WordPieceTokenizer, dty
     pending: list[str] = []
     pending_docs: list[int] = []  # sentences per pending document
     n_tokens = 0
-    bar = tqdm(total=corpus.num_sentences, desc="tokenizing corpus", unit="sent", disable=not progress,
-               mininterval=0.5)
+    bar = progress_bar(total=corpus.num_sentences, desc="tokenizing corpus", unit="sent", disable=not progress,
+                       mininterval=0.5)
     with open(directory / "tokens.bin", "wb") as out:
 
         def flush() -> None:
@@ -228,8 +228,8 @@ def segment(tc: TokenizedCorpus, tok: WordPieceTokenizer, seq_len: int, seed: in
     def span(first: int, last: int) -> np.ndarray:  # tokens of sentences [first, last)
         return tokens[so[first]:so[last]]
 
-    for d in tqdm(range(n_docs), desc=f"building examples (seq_len {seq_len})", unit="doc", disable=not progress,
-                  mininterval=0.5):
+    for d in progress_bar(range(n_docs), desc=f"building examples (seq_len {seq_len})", unit="doc",
+                          disable=not progress, mininterval=0.5):
         split = "eval" if is_eval[d] else "train"
         pool = pools[split] if len(pools[split]) >= 2 else all_docs
         rng = rngs[split]

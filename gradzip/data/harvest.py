@@ -42,7 +42,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from tqdm import tqdm
+from gradzip.data.progress import progress_bar
 
 HARVEST_VERSION = 2
 PACKAGES = ("numpy", "scipy", "matplotlib", "torch", "tokenizers", "tqdm",
@@ -328,8 +328,8 @@ def harvest(progress: bool = True) -> Iterator[list[str]]:
                 kept.append(p)
         return kept
 
-    bar = tqdm(map(file_paragraphs, files), total=len(files), desc="harvesting docs for the default corpus",
-               unit="file", disable=not progress, mininterval=0.5)
+    bar = progress_bar(map(file_paragraphs, files), total=len(files), desc="harvesting docs for the default corpus",
+                       unit="file", disable=not progress, mininterval=0.5)
     for from_docs, from_comments in bar:
         for paragraphs in (fresh(from_docs), fresh(from_comments)):
             if paragraphs:

@@ -29,7 +29,7 @@ import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
-from tqdm import tqdm
+from gradzip.data.progress import progress_bar
 
 _ASCII_PUNCT = r"!-/:-@\[-`{-~"
 _WORD = re.compile(rf"[^\s{_ASCII_PUNCT}]+|[{_ASCII_PUNCT}]")
@@ -64,13 +64,7 @@ def learn_vocab(counts: Counter, vocab_size: int, special_tokens: Sequence[str],
                 limit_alphabet: int = 1000, prefix: str = "##", progress: bool = False) -> list[str]:
     """The vocabulary (list index = id) learnt from word counts (see steps 2 and 3)."""
     words = sorted((w, n) for w, n in counts.items() if len(w) <= _MAX_WORD)
-    chars: Counter = Counter()
-    for w, n in words:
-        for ch in w:
-            chars[ch] += n
-    # The alphabet and its ## forms must leave room in the vocabulary: rarer characters become [UNK].
-    limit_alphabet = max(1, min(limit_alphabet, (vocab_size - len(special_tokens)) // 2))
-    alphabet = sorted(ch for ch, _ in sorted(chars.items(), key=lambda kv: (-kv[1], kv[0]))[:limit_alphabet])
+    alphabet = _alphabet(words, vocab_size, len(special_tokens), limit_alphabet)
     vocab: list[str] = []
     index: dict[str, int] = {}
 
@@ -101,8 +95,8 @@ def learn_vocab(counts: Counter, vocab_size: int, special_tokens: Sequence[str],
     heap = [(-c, p) for p, c in pair_count.items()]
     heapq.heapify(heap)
     cut = len(prefix)
-    bar = tqdm(total=max(0, vocab_size - len(vocab)), desc="learning WordPiece vocabulary", unit="piece",
-               disable=not progress, mininterval=0.5)
+    bar = progress_bar(total=max(0, vocab_size - len(vocab)), desc="learning WordPiece vocabulary", unit="piece",
+                       disable=not progress, mininterval=0.5)
     while len(vocab) < vocab_size and heap:
         neg, pair = heapq.heappop(heap)
         count = pair_count.get(pair, 0)
@@ -116,25 +110,7 @@ def learn_vocab(counts: Counter, vocab_size: int, special_tokens: Sequence[str],
         before = len(vocab)
         new = add(vocab[a] + vocab[b][cut:])  # the right symbol is always a ##continuation
         bar.update(len(vocab) - before)
-        touched: dict[tuple[int, int], None] = {}
-        for wi in sorted(where.pop(pair, ())):
-            sym, n = seqs[wi], freqs[wi]
-            for p in zip(sym, sym[1:]):
-                pair_count[p] -= n
-                touched[p] = None
-            out, i = [], 0
-            while i < len(sym):
-                if i + 1 < len(sym) and sym[i] == a and sym[i + 1] == b:
-                    out.append(new)
-                    i += 2
-                else:
-                    out.append(sym[i])
-                    i += 1
-            seqs[wi] = out
-            for p in zip(out, out[1:]):
-                pair_count[p] += n
-                where[p].add(wi)
-                touched[p] = None
+        touched = _apply_merge(pair, new, seqs, freqs, pair_count, where)
         pair_count.pop(pair, None)
         for p in touched:
             c = pair_count.get(p, 0)
@@ -144,3 +120,43 @@ def learn_vocab(counts: Counter, vocab_size: int, special_tokens: Sequence[str],
                 pair_count.pop(p, None)
     bar.close()
     return vocab
+
+
+def _alphabet(words: list[tuple[str, int]], vocab_size: int, n_special: int, limit_alphabet: int) -> list[str]:
+    """The characters of the vocabulary, sorted: the ``limit_alphabet`` most frequent ones (ties by
+    character), fewer if the vocabulary has no room for them and their ``##`` forms."""
+    chars: Counter = Counter()
+    for w, n in words:
+        for ch in w:
+            chars[ch] += n
+    # The alphabet and its ## forms must leave room in the vocabulary: rarer characters become [UNK].
+    limit_alphabet = max(1, min(limit_alphabet, (vocab_size - n_special) // 2))
+    return sorted(ch for ch, _ in sorted(chars.items(), key=lambda kv: (-kv[1], kv[0]))[:limit_alphabet])
+
+
+def _apply_merge(pair: tuple[int, int], new: int, seqs: list[list[int]], freqs: list[int],
+                 pair_count: dict[tuple[int, int], int],
+                 where: dict[tuple[int, int], set[int]]) -> dict[tuple[int, int], None]:
+    """Replace ``pair`` by the symbol ``new`` in every word that contains it, keeping ``pair_count``
+    and ``where`` up to date; returns the pairs whose counts changed, in the order first changed."""
+    a, b = pair
+    touched: dict[tuple[int, int], None] = {}
+    for wi in sorted(where.pop(pair, ())):
+        sym, n = seqs[wi], freqs[wi]
+        for p in zip(sym, sym[1:]):
+            pair_count[p] -= n
+            touched[p] = None
+        out, i = [], 0
+        while i < len(sym):
+            if i + 1 < len(sym) and sym[i] == a and sym[i + 1] == b:
+                out.append(new)
+                i += 2
+            else:
+                out.append(sym[i])
+                i += 1
+        seqs[wi] = out
+        for p in zip(out, out[1:]):
+            pair_count[p] += n
+            where[p].add(wi)
+            touched[p] = None
+    return touched

@@ -5,7 +5,7 @@ optimizer on its own data; then the workers average the *pseudo-gradient* Δ = �
 and every worker takes one *outer* step on the global copy (Nesterov SGD, lr 0.7, momentum 0.9 in
 the paper). Per sync, on each worker:
 
-1. Δ ← θ_global − θ_local, per bucket (the engine's bucket plan, :mod:`gradzip.cluster.buckets`);
+1. Δ ← θ_global − θ_local, per bucket (the engine's bucket plan, :mod:`gradzip.plan.buckets`);
 2. Δ goes through the worker's compressor (and its error memory, keyed per bucket) and the exchange
    scheme (``allreduce``, ``allgather``, ``twophase``, ``sparse``, hierarchical), exactly as a
    gradient does in :class:`gradzip.engine.Engine`; every byte is counted by the communicator;
@@ -13,7 +13,7 @@ the paper). Per sync, on each worker:
 4. θ_local ← α·θ_local + (1 − α)·θ_global (α = ``fragment_update_alpha``, 0 by default).
 
 Streaming DiLoCo (arXiv 2501.18512): ``fragments=P`` splits the buckets (capped at 1/(2P) of the
-model, :func:`gradzip.cluster.buckets.fragment_cap`) into P contiguous groups of about equal size;
+model, :func:`gradzip.plan.buckets.fragment_cap`) into P contiguous groups of about equal size;
 fragment f is sent at inner step H − τ − (P−1−f)·H/P of each period and applied τ =
 ``fragment_sync_delay`` steps later, its collectives travelling during those inner steps (async
 handles on gloo/mpi; on ``sim`` the link time is hidden behind the compute of those steps). Peak
@@ -41,7 +41,6 @@ not apply: do not wrap the model in DDP or attach the per-step engine as well.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,8 +49,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.cluster.buckets import Bucket, MiB, assign_buckets, fragment_cap, split_fragments
-from gradzip.cluster.sync import SyncSpec, parse_sync
 from gradzip.comm.base import Communicator
 from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import flatten, unflatten
@@ -62,7 +59,11 @@ from gradzip.engine.handshake import broadcast_state, check_agreement, fingerpri
 from gradzip.engine.hierarchical import HierarchicalScheme
 from gradzip.engine.outer_step import fusable, fused_sgd_step
 from gradzip.engine.schemes import SchemeState
+from gradzip.engine.stats import StepStats
+from gradzip.engine.synchronizer import OptimizerStep
 from gradzip.errors import GradzipError, SpecError
+from gradzip.plan.buckets import Bucket, MiB, assign_buckets, fragment_cap, split_fragments
+from gradzip.plan.sync import SyncSpec, parse_sync
 
 
 @dataclass
@@ -104,6 +105,7 @@ class DiLoCo:
         self.model, self.inner, self.outer = model, inner_optimizer, outer_optimizer
         self.sim = isinstance(comm, SimWorld)
         self.comms: list[Communicator] = list(comm.comms) if isinstance(comm, SimWorld) else [comm]
+        self._now = self.comms[0].work_time  # wall time, or sim's CPU time
         base = create(compressor)
         self.spec = base.spec
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -142,17 +144,31 @@ class DiLoCo:
         self._snaps: dict[int, list[dict[str, Any]]] = {}  # fragment -> communicator stats when it was sent
         self._compute_since: dict[int, float] = {}  # fragment -> compute seconds since it was sent
         self._hook = inner_optimizer.register_step_post_hook(self._on_step) if hook else None
+        self.last_schedule: list[Any] = []  # the Synchronizer protocol: no per-step schedule here
+        self._t_step: float | None = None  # when this step's first worker started (its compute time)
+        self._norms: list[float] = []  # this step's inner steps: gradient norms, and workers that skipped
+        self._bad = 0
 
     # ------------------------------------------------------------------ public API
     @property
     def worker_ids(self) -> list[int]:
         return [c.rank for c in self.comms]
 
+    @property
+    def exchange(self) -> str:
+        """The compressor's exchange scheme."""
+        return self.compressors[0].exchange
+
     @contextlib.contextmanager
     def worker(self, wid: int) -> Iterator[Communicator]:
         """Sim: run worker ``wid``'s inner step inside (its parameters and inner optimizer state are
-        swapped in, and out again after). Real backends: ``wid`` is the rank; nothing to swap."""
+        swapped in, and out again after). Real backends: ``wid`` is the rank; nothing to swap.
+        Zeroes the model's ``.grad`` on entry."""
         i = self.worker_ids.index(wid)
+        if self._t_step is None:
+            self._t_step = self._now()
+        for p in self.params:
+            p.grad = None
         if not self.sim:
             yield self.comms[i]
             return
@@ -185,6 +201,39 @@ class DiLoCo:
         if self.sim:
             _load(self.buckets, self.replicas[0])  # the model shows worker 0 (evaluation, checkpoints)
         return st
+
+    # ------------------------------------------------------------------ the Synchronizer protocol
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to hold back: gradients stay local until the inner step."""
+        return contextlib.nullcontext()
+
+    def after_backward(self, stepper: OptimizerStep) -> None:
+        """The worker's own inner step on its local gradient, or a skip, alone, when it is not finite."""
+        sums = [torch.sum(p.grad, dtype=torch.float32) for p in self.params if p.grad is not None]
+        if not sums or bool(torch.isfinite(torch.stack(sums).sum())):
+            self._norms.append(stepper.step())
+        else:
+            stepper.skip()
+            self._bad += 1
+
+    def synchronize(self) -> StepStats:
+        """Every worker took its inner step: send and apply the fragments due now
+        (:meth:`after_inner_step`); ``syncs``: fragments applied. The compute time (per worker) hides
+        in-flight link time on ``sim``."""
+        compute = (self._now() - (self._t_step or self._now())) / len(self.comms)
+        self._t_step = None
+        st = self.after_inner_step(compute)
+        return StepStats(compute_s=compute, compress_s=st.compress_s, comm_s=st.exposed_s,
+                         bytes_sent=st.bytes_sent, bytes_recv=st.bytes_recv,
+                         step_s=compute + st.compress_s + st.exposed_s,
+                         clock="modelled" if self.sim else self.comms[0].clock, link_s=st.link_s,
+                         intra_bytes_sent=st.intra_bytes_sent, nonfinite=self._bad, syncs=st.applied)
+
+    def commit(self, nonfinite: int, stepper: OptimizerStep) -> float:
+        """Nothing left to decide (each worker stepped or skipped alone): the inner steps' mean
+        gradient norm (NaN when every worker here skipped)."""
+        norms, self._norms, self._bad = self._norms, [], 0
+        return sum(norms) / len(norms) if norms else float("nan")
 
     def state_dict(self) -> dict[str, Any]:
         """Per rank: θ_global, the outer optimizer, every compressor and scheme state, exchanges in
@@ -272,7 +321,7 @@ class DiLoCo:
     @torch.no_grad()
     def _send(self, f: int, st: SyncStats) -> None:
         """Compress and launch fragment f's pseudo-gradients on every worker."""
-        t0 = time.perf_counter()
+        t0 = self._now()
         self._snaps[f] = [c.stats.snapshot() for c in self.comms]
         per_worker = []
         for i, (comp, scheme) in enumerate(zip(self.compressors, self.schemes)):
@@ -290,13 +339,13 @@ class DiLoCo:
         self._inflight[f] = per_worker
         self._compute_since[f] = 0.0
         st.sent += 1
-        st.compress_s += (time.perf_counter() - t0) / len(self.comms)
+        st.compress_s += (self._now() - t0) / len(self.comms)
 
     def _finish(self, f: int) -> tuple[list[list[Tensor]], float, float, list[int]]:
         """Drive fragment f's exchanges to the end: (averaged Δ per bucket, compress s, link s,
         [bytes sent, received, sent inside the node] per worker, mean over the workers here)."""
         per_worker = self._inflight.pop(f)
-        t0 = time.perf_counter()
+        t0 = self._now()
         enc = 0.0
         pending = list(range(len(self.fragments[f])))
         while pending:
@@ -312,7 +361,7 @@ class DiLoCo:
             pending = still
         for comp in self.compressors:
             comp.end_step(True)
-        wall = time.perf_counter() - t0
+        wall = self._now() - t0
         if self.sim:  # the slowest worker's modelled link time
             link = max(sum(sum(ex.link_s) for ex in exs) for exs in per_worker)
         else:
@@ -338,7 +387,7 @@ class DiLoCo:
         st.compress_s += enc
         st.link_s += link
         st.exposed_s += max(0.0, link - hidden)
-        t0 = time.perf_counter()
+        t0 = self._now()
         ids = self.fragments[f]
         parts_of = [unflatten(res[0], self.buckets[bi].shapes)
                     if len(res) == 1 and not (self.buckets[bi].compressed and self._per_tensor) else res
@@ -355,7 +404,7 @@ class DiLoCo:
             fused_sgd_step(self.outer, items, self.alpha)
         else:
             self._outer_step(ids, parts_of)
-        st.compress_s += time.perf_counter() - t0
+        st.compress_s += self._now() - t0
 
     def _outer_step(self, ids: list[int], parts_of: list[Any]) -> None:
         """``outer.step()`` on θ_global (its views stand in for the parameters), then the merge."""

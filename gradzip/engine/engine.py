@@ -14,7 +14,7 @@ Per step, on each worker:
 
 1. At start-up (in :func:`attach`), ranks compare a fingerprint of the model and the compressor
    spec, and parameters (and floating-point buffers) are broadcast from rank 0.
-2. Parameters are grouped into buckets (see :mod:`gradzip.cluster.buckets`: reverse registration
+2. Parameters are grouped into buckets (see :mod:`gradzip.plan.buckets`: reverse registration
    order, a cap in MiB, dtype-homogeneous, small tensors apart and exchanged uncompressed).
 3. A hook on every parameter (``register_post_accumulate_grad_hook``) copies its gradient into
    its bucket's flat buffer. When a bucket is full *and* every lower-index bucket has launched,
@@ -46,142 +46,46 @@ compressors::
         engine.skip_step()
 
 Optimizers that compress something other than the gradient (1-bit Adam and 1-bit LAMB exchange
-the momentum, :mod:`gradzip.training.onebit_optim`) set two attributes between steps:
-``engine.compressing = False`` exchanges every bucket uncompressed (their warm-up), and
-``engine.transform = fn`` calls ``fn(bucket, buffer)`` on each bucket's local gradient before it
-is compressed, to turn it in place into what is exchanged instead.
+the momentum, DeMo a scaled gradient: :mod:`gradzip.optim`) give an :class:`ExchangePlan` at the
+start of every step through :meth:`Engine.bind_optimizer`: exchange uncompressed (their warm-up),
+or transform each bucket's local gradient in place before it is compressed.
 
 ``no_sync()`` makes the hooks do nothing: gradients accumulate in ``.grad`` and are exchanged on
 the next backward outside ``no_sync()`` (gradient accumulation, as DDP's ``no_sync``).
 
-Time: real backends report measured times (exposed communication is the time spent in
-``finalize`` beyond the engine's own encode/decode work); ``sim`` reports the virtual clock of
-:mod:`gradzip.cluster.schedule`. Tuning: ``bucket_cap_mb`` trades overlap (smaller buckets launch
-earlier) against per-collective latency (more messages); 25 MiB is DDP's default.
-``min_compress_numel`` below ~1000 rarely pays: such tensors are a tiny share of the bytes.
+Time: real backends report measured wall times (exposed communication: the time in ``finalize``
+beyond the engine's own work); ``sim`` reports the virtual clock of :mod:`gradzip.cluster.schedule`,
+built from local work timed in CPU time (``comm.work_time``). ``bucket_cap_mb`` trades overlap
+against per-collective latency (25 MiB is DDP's default); ``min_compress_numel`` below ~1000 rarely pays.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gradzip.cluster.buckets import Bucket, MiB, assign_buckets
-from gradzip.cluster.schedule import BucketTiming, Mark, Span, mean_timings, measured_spans, model_step
+from gradzip.cluster.schedule import BucketTiming, Span
 from gradzip.comm.base import Communicator
 from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import Compressor, unflatten
 from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
+from gradzip.engine.config import INTRA_DTYPES, EngineConfig
 from gradzip.engine.exchange import Exchange
 from gradzip.engine.handshake import broadcast_state, check_agreement, fingerprint
 from gradzip.engine.hierarchical import HierarchicalScheme
 from gradzip.engine.schemes import SchemeState
 from gradzip.engine.stats import StepStats
+from gradzip.engine.synchronizer import ExchangePlan, OptimizerStep, ShapesExchange
+from gradzip.engine.timing import step_stats
+from gradzip.engine.worker import _Hook, _Worker
 from gradzip.errors import GradzipError
-
-_now = time.perf_counter
-INTRA_DTYPES = {"": None, "native": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass
-class EngineConfig:
-    """Engine options (identical on every rank: they are part of the start-up fingerprint).
-
-    bucket_cap_mb: bucket size cap in MiB (DDP's default 25).
-    min_compress_numel: tensors with fewer elements are exchanged uncompressed (0: compress all).
-    broadcast: broadcast parameters and floating-point buffers from rank 0 at start-up.
-    check: compare model/compressor/options fingerprints across ranks at start-up.
-    agree: the caller's settings that must be equal on every rank (``gradzip train``: its whole
-        resolved configuration), compared with the fingerprint; a mismatch names the fields.
-    hierarchical: reduce inside each node, compress only across nodes
-        (:mod:`gradzip.engine.hierarchical`); nodes come from the launcher, or ``SimWorld``'s
-        ``ranks_per_node``.
-    intra_dtype: the intra-node wire dtype of the hierarchical exchange: ``""`` or ``"native"``
-        (the gradient's), ``"fp16"`` or ``"bf16"``.
-    """
-
-    bucket_cap_mb: float = 25.0
-    min_compress_numel: int = 1024
-    broadcast: bool = True
-    check: bool = True
-    agree: dict[str, Any] = field(default_factory=dict)
-    hierarchical: bool = False
-    intra_dtype: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.bucket_cap_mb > 0:
-            raise GradzipError(f"bucket_cap_mb must be > 0 (MiB, e.g. 25), got {self.bucket_cap_mb}")
-        if self.min_compress_numel < 0:
-            raise GradzipError(f"min_compress_numel must be >= 0 (0 compresses every tensor), got "
-                               f"{self.min_compress_numel}")
-        if self.intra_dtype not in INTRA_DTYPES:
-            raise GradzipError(f"intra_dtype must be one of {', '.join(repr(k) for k in INTRA_DTYPES)}, got "
-                               f"{self.intra_dtype!r}")
-
-
-class _Hook:
-    """A hook that a copy of the model does not inherit: ``copy.deepcopy(model)`` (EMA models,
-    reference replicas) gives an unattached model instead of trying to copy the engine."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any) -> None:
-        if self.fn is not None:
-            self.fn(*args)
-
-    def __deepcopy__(self, memo: dict) -> _Hook:
-        return _Hook(None)
-
-    def __reduce__(self) -> tuple:
-        return (_Hook, (None,))
-
-
-class _Worker:
-    """One (virtual) worker: its communicator, compressor, bucket buffers and per-step state."""
-
-    def __init__(self, wid: int, comm: Communicator, compressor: Compressor, buckets: list[Bucket]) -> None:
-        self.id, self.comm, self.compressor = wid, comm, compressor
-        self.scheme: Any = None  # SchemeState or HierarchicalScheme, built after the start-up check
-        self.buffers: list[Tensor | None] = [None] * len(buckets)
-        self.snap = comm.stats.snapshot()
-        self.stateful: list[Compressor] = [compressor]  # + the scheme's (server memory): undoable steps
-        self.open = False  # a step whose state updates skip_step() may still undo
-        self.reset(buckets)
-
-    def reset(self, buckets: list[Bucket]) -> None:
-        nb = len(buckets)
-        self.ready = [bytearray(len(b.params)) for b in buckets]
-        self.pending = [len(b.params) for b in buckets]
-        self.next_launch = 0
-        self.exchanges: list[Exchange | None] = [None] * nb
-        self.timing = [BucketTiming(0.0, 0.0) for _ in range(nb)]
-        self.pack_s = [0.0] * nb
-        self.entered = self.flushed = False
-        self.t_start: float | None = None
-        self.fwd_start: float | None = None
-        self.t_end: float | None = None
-        self.hook_s = 0.0  # engine time inside hooks (lies within forward+backward)
-        self.sums: list[Tensor] = []  # per launched bucket: fp32 sum of the local gradient (inf/NaN check)
-        self.fin_s = 0.0   # engine compute time outside hooks (flush, next rounds, decode)
-        self.marks: list[Mark] = []  # real backends: this step's schedule, absolute times
-        self.launched: dict[int, float] = {}  # bucket -> when its current round was launched
-
-    def buffer(self, b: Bucket) -> Tensor:
-        buf = self.buffers[b.index]
-        if buf is None:
-            buf = self.buffers[b.index] = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-        return buf
+from gradzip.plan.buckets import Bucket, MiB, assign_buckets
 
 
 class Engine:
@@ -197,6 +101,8 @@ class Engine:
             self.sim, comms = False, [comm]
         else:
             raise GradzipError(f"attach: expected a Communicator or a SimWorld, got {type(comm).__name__}")
+        # Local work is timed on the communicator's clock: wall time, or sim's CPU time (comm.work_time).
+        self._now = comms[0].work_time
         base = create(compressor)
         self.spec = base.spec
         # One compressor (one state: error memory, PowerSGD's Q) per worker.
@@ -216,8 +122,11 @@ class Engine:
         self._no_sync = False
         # Optimizer-level compression (1-bit Adam/LAMB): exchange uncompressed while False, and a
         # transform of each bucket's local gradient before it is compressed (the local momentum).
+        # Both are set from the bound optimizer's plan at the start of each step (bind_optimizer).
         self.compressing = True
         self.transform: Callable[[Bucket, Tensor], None] | None = None
+        self._shaper: ShapesExchange | None = None
+        self._grad_is_update = False  # p.grad will hold what the optimizer applies unclipped
         # Per-bucket timings of the last step (sim: mean over workers), for overlap analysis, and
         # its schedule (sim: the virtual clock's; real: this rank's measured), see cluster.schedule.
         self.last_timings: list[BucketTiming] = []
@@ -245,7 +154,7 @@ class Engine:
         self._hooks = [p.register_post_accumulate_grad_hook(_Hook(functools.partial(self._on_grad, b.index, i)))
                        for b in self.buckets for i, p in enumerate(b.params)]
         self._hooks.append(model.register_forward_pre_hook(_Hook(self._on_forward)))
-        self._last_end = _now()
+        self._last_end = self._now()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -271,6 +180,20 @@ class Engine:
         """The current worker's compressor (outside ``worker()``: the first one)."""
         return (self._current or self._workers[0]).compressor
 
+    @property
+    def exchange(self) -> str:
+        """The compressor's exchange scheme (``allreduce``, ``allgather``, ``twophase``, ...)."""
+        return self._workers[0].compressor.exchange
+
+    def set_plan(self, plan: ExchangePlan) -> None:
+        """What to exchange from the next bucket on: see :class:`ExchangePlan`."""
+        self.compressing, self.transform = plan.compress, plan.transform
+
+    def bind_optimizer(self, optimizer: Any) -> None:
+        """Follow ``optimizer``'s :class:`ExchangePlan` (asked at the start of every step) when it
+        decides what is exchanged (:class:`ShapesExchange`: 1-bit Adam/LAMB, DeMo); else nothing."""
+        self._shaper = optimizer if isinstance(optimizer, ShapesExchange) else None
+
     @contextlib.contextmanager
     def worker(self, wid: int) -> Iterator[Communicator]:
         """Run worker ``wid``'s forward/backward inside this block. Zeroes ``.grad`` on entry.
@@ -280,16 +203,19 @@ class Engine:
         w = self._lookup(wid)
         if w.entered:
             raise GradzipError(f"worker {wid} already ran this step; call engine.finalize() before running it again")
+        if self._shaper is not None and not any(x.entered for x in self._workers):  # the step's first worker
+            self.set_plan(self._shaper.exchange_plan())
+            self._grad_is_update = self._shaper.grad_is_update
         for p in self._trainable:
             p.grad = None
         w.entered = True
         self._current = w
-        w.t_start = _now()
+        w.t_start = self._now()
         try:
             yield w.comm
         finally:
             self._current = None
-        w.t_end = _now()
+        w.t_end = self._now()
         if self.sim:  # the next worker zeroes .grad: launch whatever this worker left now
             self._flush(w)
 
@@ -304,7 +230,7 @@ class Engine:
 
     def finalize(self) -> StepStats:
         """Wait for every bucket, write the averaged gradients into ``p.grad``, return the stats."""
-        t_fin = _now()
+        t_fin = self._now()
         if self.sim:
             missing = [w.id for w in self._workers if not w.entered]
             if missing:
@@ -319,16 +245,35 @@ class Engine:
         for p in self._empty:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        t_done = _now()
-        stats = self._stats(t_fin, t_done)
+        t_done = self._now()
+        stats, self.last_timings, self.last_schedule = step_stats(self._workers, len(self.buckets), self.sim,
+                                                                    t_fin, t_done, self._last_end)
         # One host sync for the whole step (finalize waits for the network anyway).
         stats.nonfinite = sum(1 for w in self._workers
                               if w.sums and not bool(torch.isfinite(torch.stack(w.sums).sum())))
         for w in self._workers:
             w.snap = w.comm.stats.snapshot()
             w.reset(self.buckets)
-        self._last_end = _now()
+        self._last_end = self._now()
         return stats
+
+    # ------------------------------------------------------------------ the Synchronizer protocol
+    def after_backward(self, stepper: OptimizerStep) -> None:
+        """Nothing: the exchange already runs in backward's hooks, and the optimizer steps once, in
+        :meth:`commit`, on the averaged gradient."""
+
+    def synchronize(self) -> StepStats:
+        """:meth:`finalize`: the averaged gradients are in ``p.grad``."""
+        return self.finalize()
+
+    def commit(self, nonfinite: int, stepper: OptimizerStep) -> float:
+        """Step the optimizer on the averaged gradient, or, when any rank's gradient was not finite
+        (``nonfinite`` > 0, the same on every rank), undo the step everywhere (:meth:`skip_step`)."""
+        if nonfinite:
+            self.skip_step()
+            stepper.skip()
+            return float("nan")
+        return stepper.step(clip=not self._grad_is_update)
 
     def agree_finite(self, stats: StepStats) -> bool:
         """True when every rank's gradient of the step that ``stats`` reports was finite. Real
@@ -405,12 +350,12 @@ class Engine:
             return
         w = self._current if self.sim else (self._current or self._workers[0])
         if w is not None and w.fwd_start is None:
-            w.fwd_start = _now()
+            w.fwd_start = self._now()
 
     def _on_grad(self, bi: int, si: int, param: Tensor) -> None:
         if self._no_sync:
             return
-        t0 = _now()
+        t0 = self._now()
         w = self._active()
         b = self.buckets[bi]
         if w.ready[bi][si] or w.flushed:
@@ -421,10 +366,10 @@ class Engine:
         w.buffer(b).narrow(0, b.offsets[si], b.numels[si]).copy_(param.grad.reshape(-1))
         w.ready[bi][si] = 1
         w.pending[bi] -= 1
-        w.pack_s[bi] += _now() - t0
+        w.pack_s[bi] += self._now() - t0
         if w.pending[bi] == 0:
             self._launch_ready(w, ready_s=(t0 - w.fwd_start) - w.hook_s)
-        w.hook_s += _now() - t0
+        w.hook_s += self._now() - t0
 
     # ------------------------------------------------------------------ exchange
     def _launch_ready(self, w: _Worker, ready_s: float) -> None:
@@ -443,11 +388,11 @@ class Engine:
             comp = w.compressor if b.compressed and self.compressing else self._plain
             tensors = unflatten(buf, b.shapes) if b.compressed and self._per_tensor else [buf]
             ex = w.scheme.exchange(comp, tensors, b.key)
-            t_enc = _now()
+            t_enc = self._now()
             ex.start()
             w.exchanges[b.index] = ex
             if not self.sim:
-                w.launched[b.index] = t_done = _now()
+                w.launched[b.index] = t_done = self._now()
                 w.marks.append(("compute", "encode", t_enc, t_done, b.index, None))
             w.timing[b.index] = BucketTiming(ready_s=max(ready_s, 0.0), compress_s=w.pack_s[b.index] + ex.compress_s)
             w.next_launch += 1
@@ -455,14 +400,14 @@ class Engine:
     def _flush(self, w: _Worker) -> None:
         """End of a worker's backward: fill the slots no hook filled (accumulated gradient from
         no_sync micro-steps, or zeros for unused parameters) and launch the remaining buckets."""
-        t0 = _now()
+        t0 = self._now()
         start = w.fwd_start if w.fwd_start is not None else (w.t_start if w.t_start is not None else self._last_end)
         w.fwd_start = start
         compute = (w.t_end if w.t_end is not None else t0) - start - w.hook_s
         for b in self.buckets:
             if not w.pending[b.index]:
                 continue
-            tb = _now()
+            tb = self._now()
             buf = w.buffer(b)
             for si, p in enumerate(b.params):
                 if not w.ready[b.index][si]:
@@ -472,10 +417,10 @@ class Engine:
                     else:
                         dst.copy_(p.grad.reshape(-1))
             w.pending[b.index] = 0
-            w.pack_s[b.index] += _now() - tb
+            w.pack_s[b.index] += self._now() - tb
         self._launch_ready(w, ready_s=compute)
         w.flushed = True
-        w.fin_s += _now() - t0
+        w.fin_s += self._now() - t0
 
     @torch.no_grad()
     def _drain(self) -> None:
@@ -488,14 +433,14 @@ class Engine:
                 for w in self._workers:
                     ex = w.exchanges[bi]
                     assert ex is not None
-                    c0, rnd, t0 = ex.compress_s, ex.round, _now()
+                    c0, rnd, t0 = ex.compress_s, ex.round, self._now()
                     # sim: the workers' one-pass decodes of the same gathered payloads are one computation
                     first = self._workers[0].exchanges[bi]
                     mine = (self.sim and type(ex) is Exchange and ex is not first and ex.adopt(first)) or ex.advance()  # type: ignore[arg-type]
                     done = done and mine
                     dc = ex.compress_s - c0
                     if not self.sim:
-                        self._mark(w, bi, rnd, t0, _now(), dc, mine)
+                        self._mark(w, bi, rnd, t0, self._now(), dc, mine)
                     w.fin_s += dc
                     if mine:
                         w.timing[bi].decode_s += dc
@@ -505,9 +450,9 @@ class Engine:
                     # Every worker's result is the same (each gets the same reduced payloads and
                     # decoding is deterministic; the multi-process tests compare sim with Gloo/MPI),
                     # so the one shared model takes worker 0's.
-                    t0 = _now()
+                    t0 = self._now()
                     self._write_back(self.buckets[bi], self._workers[0].exchanges[bi].result())  # type: ignore[union-attr]
-                    dt = _now() - t0
+                    dt = self._now() - t0
                     if not self.sim:
                         self._workers[0].marks.append(("compute", "decode", t0, t0 + dt, bi, None))
                     for w in self._workers:  # every real worker writes its own .grad
@@ -535,43 +480,6 @@ class Engine:
                 p.grad = avg.detach().clone()
             else:
                 p.grad.copy_(avg)
-
-    # ------------------------------------------------------------------ stats
-    def _stats(self, t_fin: float, t_done: float) -> StepStats:
-        deltas = [w.comm.stats.since(w.snap) for w in self._workers]
-        sent = round(sum(d["bytes_sent"] for d in deltas) / len(deltas))
-        intra = round(sum(d["intra_bytes_sent"] for d in deltas) / len(deltas))
-        recv = round(sum(d["bytes_recv"] for d in deltas) / len(deltas))
-        if self.sim:
-            per_worker = []
-            computes = []
-            # A round's link time: the slowest worker's (groups of a split run side by side).
-            rounds = [[max(w.exchanges[bi].link_s[r] for w in self._workers)  # type: ignore[union-attr]
-                       for r in range(self._workers[0].exchanges[bi].rounds)]  # type: ignore[union-attr]
-                      for bi in range(len(self.buckets))]
-            for w in self._workers:
-                for bi, t in enumerate(w.timing):
-                    t.rounds_s = list(rounds[bi])
-                per_worker.append(w.timing)
-                computes.append(max(0.0, (w.t_end or t_fin) - (w.fwd_start or t_fin) - w.hook_s))
-            self.last_timings = mean_timings(per_worker)
-            m = model_step(sum(computes) / len(computes), self.last_timings)
-            self.last_schedule = m.spans
-            return StepStats(compute_s=m.compute_s, compress_s=m.compress_s, comm_s=m.comm_s, bytes_sent=sent,
-                             bytes_recv=recv, step_s=m.step_s, clock="modelled", link_s=m.link_s,
-                             buckets=len(self.buckets), intra_bytes_sent=intra)
-        w = self._workers[0]
-        self.last_timings = list(w.timing)
-        start = w.fwd_start if w.fwd_start is not None else self._last_end
-        compute = max(0.0, (w.t_end or t_fin) - start - w.hook_s)
-        self.last_schedule = measured_spans(w.marks, start, (w.t_end or t_fin) - start)
-        compress = sum(t.compress_s + sum(t.between_s) + t.decode_s for t in w.timing)
-        # Exposed communication: time in finalize not spent on engine compute (real backends flush
-        # inside finalize, so all of fin_s lies in that interval).
-        exposed = max(0.0, (t_done - t_fin) - w.fin_s)
-        return StepStats(compute_s=compute, compress_s=compress, comm_s=exposed, bytes_sent=sent, bytes_recv=recv,
-                         step_s=t_done - start, clock=w.comm.clock, link_s=deltas[0]["seconds"],
-                         buckets=len(self.buckets), intra_bytes_sent=intra)
 
 
 def attach(model: torch.nn.Module, compressor: str | Compressor = "none", comm: Communicator | SimWorld | None = None,

@@ -21,7 +21,6 @@ input tensors may be overwritten (as DDP's in-place allreduce does).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +28,7 @@ from torch import Tensor
 
 from gradzip.comm.base import Communicator, Handle
 from gradzip.compress.base import Compressor, Payload
+from gradzip.compress.fastpaths import DecodeAggregate
 
 
 class Exchange:
@@ -53,9 +53,9 @@ class Exchange:
 
     # -- phases -------------------------------------------------------------------
     def start(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.comm.work_time()
         payload, self._ctx = self.compressor.compress_batch(self.tensors, self.key)
-        self.compress_s += time.perf_counter() - t0
+        self.compress_s += self.comm.work_time() - t0
         self._launch(payload)
 
     def advance(self) -> bool:
@@ -66,25 +66,26 @@ class Exchange:
         last = self.round == c.rounds - 1
         if c.collective == "allgather" and last:
             gathered = self._wait_all()  # per payload tensor: list over ranks
-            t0 = time.perf_counter()
+            t0 = self.comm.work_time()
             per_rank: list[Payload] = [tuple(g[r] for g in gathered) for r in range(self.comm.world_size)]
-            fused = c.decode_aggregate_batch(per_rank, self._ctx)  # one pass, no decode per rank
+            # one pass, no decode per rank, where the compressor has it (fastpaths.DecodeAggregate)
+            fused = c.decode_aggregate_batch(per_rank, self._ctx) if isinstance(c, DecodeAggregate) else None
             if fused is not None:
                 self._result = fused
-                self.shareable_s = time.perf_counter() - t0
+                self.shareable_s = self.comm.work_time() - t0
             else:
                 parts = [c.decompress_batch(p, self._ctx) for p in per_rank]
                 self._result = [c.aggregate([part[i] for part in parts]) for i in range(len(self.tensors))]
-            self.compress_s += time.perf_counter() - t0
+            self.compress_s += self.comm.work_time() - t0
             return True
         reduced = tuple(self._wait_all())
-        t0 = time.perf_counter()
+        t0 = self.comm.work_time()
         if last:
             self._result = c.decompress_batch(reduced, self._ctx)
-            self.compress_s += time.perf_counter() - t0
+            self.compress_s += self.comm.work_time() - t0
             return True
         payload, self._ctx = c.next_round_batch(reduced, self._ctx)
-        self.compress_s += time.perf_counter() - t0
+        self.compress_s += self.comm.work_time() - t0
         self.round += 1
         self._launch(payload)
         return False
@@ -92,7 +93,7 @@ class Exchange:
     def adopt(self, other: Exchange) -> bool:
         """``sim`` only: finish this worker's last round with ``other``'s result, which a worker that
         received the same payloads decoded in one pass (a pure function of the payloads, see
-        :meth:`Compressor.decode_aggregate`), and charge its decode time to this worker. False
+        :class:`gradzip.compress.fastpaths.DecodeAggregate`), and charge its decode time to this worker. False
         (nothing done) when ``other`` took no shareable path or this exchange is not at that round."""
         if type(self) is not Exchange or type(other) is not Exchange or other.shareable_s is None \
                 or self._result is not None or self.round != self.compressor.rounds - 1:

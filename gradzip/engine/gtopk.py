@@ -14,7 +14,8 @@ two <= n):
 5. The result is the final set divided by n, scattered into a dense bucket.
 
 Error feedback: whatever a merge drops (partial sums of the pair's subtrees) goes back into the
-memory of one rank, the lowest of the ranks computing that merge (:meth:`Compressor.credit`).
+memory of one rank, the lowest of the ranks computing that merge (a compressor with a memory implements
+:class:`gradzip.compress.fastpaths.Credit`; without one, they are lost).
 Every local entry is thus either in the final set or, as part of one partial sum, in exactly one
 memory, and the invariant of the flat exchange holds for the sum over ranks:
 Σ_r (g_r + m_r − m_r') = n · result. (The paper instead returns to each rank its own entries
@@ -36,7 +37,6 @@ What it changes numerically, against the allgather of every rank's top k:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +45,7 @@ from torch import Tensor
 
 from gradzip.comm.base import Communicator, Handle
 from gradzip.compress.base import Compressor, flatten, unflatten
+from gradzip.compress.fastpaths import Credit
 from gradzip.compress.select import topk_indices
 from gradzip.engine.exchange import pack, unpack, wait_all
 
@@ -118,7 +119,7 @@ class SparseExchange:
         self._result: list[Tensor] | None = None
 
     def start(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.comm.work_time()
         flat = flatten(self.tensors)
         self.numel, self.dtype = flat.numel(), flat.dtype
         payload, _ = self.compressor.compress_batch([flat], self.key)
@@ -128,7 +129,7 @@ class SparseExchange:
         self.mine = (payload[0].float(), payload[1].to(torch.int32))
         self.k = self.mine[1].numel()
         self.set = self.mine
-        self.compress_s += time.perf_counter() - t0
+        self.compress_s += self.comm.work_time() - t0
         self._launch()
 
     def _launch(self) -> None:
@@ -150,7 +151,7 @@ class SparseExchange:
         step = self.plan[self.round]
         if self._handle is not None:
             (got,) = wait_all([self._handle], self.link_s, self.round)
-            t0 = time.perf_counter()
+            t0 = self.comm.work_time()
             if step.kind == "pair":
                 sets = [unpack(g, self.set) for g in got]
                 self.set, dropped = merge(sets[0], sets[1], self.k)  # (lower's, upper's): same order on both
@@ -161,7 +162,7 @@ class SparseExchange:
                 self._credit(dropped)
             elif step.kind == "unfold" and step.comm.rank == 1:
                 self.set = unpack(got, self.set)
-            self.compress_s += time.perf_counter() - t0
+            self.compress_s += self.comm.work_time() - t0
         if self.round + 1 < self.rounds:
             self.round += 1
             self._launch()
@@ -170,16 +171,16 @@ class SparseExchange:
         return True
 
     def _credit(self, dropped: tuple[Tensor, Tensor]) -> None:
-        if dropped[1].numel():
+        if dropped[1].numel() and isinstance(self.compressor, Credit):
             self.compressor.credit(self.key, dropped[1].long(), dropped[0])
 
     def _finish(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.comm.work_time()
         vals, idx = self.set
         out = torch.zeros(self.numel, dtype=self.dtype, device=vals.device)
         out[idx.long()] = (vals / self.comm.world_size).to(self.dtype)
         self._result = unflatten(out, self.shapes) if len(self.shapes) > 1 else [out.view(self.shapes[0])]
-        self.compress_s += time.perf_counter() - t0
+        self.compress_s += self.comm.work_time() - t0
 
     def result(self) -> list[Tensor]:
         if self._result is None:

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.cluster.buckets import coalesce
 from gradzip.comm.base import Communicator
 from gradzip.errors import GradzipError
+from gradzip.plan.buckets import coalesce
 
 
 def fingerprint(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: str, options: dict[str, Any],

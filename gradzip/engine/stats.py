@@ -24,6 +24,7 @@ class StepStats:
         exchange; sim with ``ranks_per_node``); the rest crossed between nodes.
     nonfinite: how many of this process's workers had an inf or NaN in their local gradient
         (real backends: 0 or 1; see :meth:`Engine.agree_finite` and :meth:`Engine.skip_step`).
+    syncs: synchronisations completed this step (per-step exchange: 1; DiLoCo: fragments applied).
     """
 
     compute_s: float
@@ -37,6 +38,7 @@ class StepStats:
     buckets: int = 0
     intra_bytes_sent: int = 0
     nonfinite: int = 0
+    syncs: int = 1
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)

@@ -9,6 +9,7 @@ the figures. Re-running the same command skips finished cells, so an interrupted
 from __future__ import annotations
 
 import argparse
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -44,7 +45,9 @@ def list_specs() -> int:
     width = max(len(n) for n in specs)
     for name, path in specs.items():
         try:
-            spec = load_spec(path)
+            with warnings.catch_warnings():  # a cell's caveats belong to running it, not to the list
+                warnings.simplefilter("ignore")
+                spec = load_spec(path)
             line = f"{spec.description} [{len(spec.cells)} cells]"
         except GradzipError as e:  # a broken shipped spec is listed, not fatal to --list
             line = f"(invalid: {e})"

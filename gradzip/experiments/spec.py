@@ -284,16 +284,39 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
         raise SpecError(f"{src}: 'name' {name!r} must be a plain word (letters, digits, '.', '_', '-', '=')")
     description = raw.get("description", "")
     _expect(description, str, "'description'", src, "a string")
-
-    base = raw.get("base", {})
-    _expect(base, dict, "[base]", src, "a table")
     train_keys = _train_keys() - NOT_IN_SPECS
+    base = _check_base(raw.get("base", {}), train_keys, src)
+    grid = _check_grid(raw, base, train_keys, src)
+    target = _check_target(raw["target"], src) if "target" in raw else None
+    plot = _check_plot(raw["plot"], src) if "plot" in raw else PlotOptions()
+    repeats, repeats_where = _check_repeats(raw.get("repeats", 1), grid, src)
+    validate_config(dict(base), src, "[base]")
+    spec = Spec(src, name, description, dict(base), {k: list(v) for k, v in grid.items()}, target, plot,
+                repeats, repeats_where)
+    spec.cells = expand(spec)
+    defaults = TrainConfig()  # a key no cell sets has its default
+    if repeats_where and len(spec.cells) == len(list(itertools.product(*spec.grid.values()))):
+        raise SpecError(f"{src}: repeats where = {{{describe_where(repeats_where)}}} matches no cell of the grid")
+    for fig, where in plot.where.items():
+        if not any(matches_where(lambda k, c=c: c.config.get(k, getattr(defaults, k)), where) for c in spec.cells):
+            raise SpecError(f"{src}: [plot.where] {fig} = {{{describe_where(where)}}} matches no cell of the grid")
+    return spec
+
+
+def _check_base(base: Any, train_keys: set[str], src: Path) -> dict[str, Any]:
+    """The ``[base]`` table: training keys only, none of those the runner sets."""
+    _expect(base, dict, "[base]", src, "a table")
     for key in base:
         if key in NOT_IN_SPECS:
             raise SpecError(f"{src}: [base] key {key!r} is not allowed in a spec (the runner sets out and resume "
                             "per cell; the spec replaces a --config file); remove it")
     _check_keys("[base]", base, train_keys, src)
+    return base
 
+
+def _check_grid(raw: dict[str, Any], base: dict[str, Any], train_keys: set[str], src: Path) -> dict[str, Any]:
+    """The ``[grid]`` table: at least one axis, each a non-empty list of plain values or of bundles,
+    no value twice, and no key set both there and in ``[base]`` (or by two axes)."""
     if "grid" not in raw:
         raise SpecError(f"{src}: no [grid] table; add at least one axis, e.g. [grid] seed = [0]")
     grid = raw["grid"]
@@ -323,66 +346,56 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
             if k in provided:
                 raise SpecError(f"{src}: {k!r} is set in both {provided[k]} and [grid] axis {key!r}; keep it in one")
             provided[k] = f"[grid] axis {key!r}"
+    return grid
 
-    target = None
-    if "target" in raw:
-        t = raw["target"]
-        _expect(t, dict, "[target]", src, "a table, e.g. [target] loss = 6.5")
-        _check_keys("[target]", t, TARGET_KEYS, src)
-        if "loss" not in t:
-            raise SpecError(f"{src}: [target] needs 'loss', the loss to reach, e.g. loss = 6.5")
-        _expect(t["loss"], (int, float), "[target] 'loss'", src, "a number")
-        metric = t.get("metric", "loss")
-        if metric not in TARGET_METRICS:
-            raise SpecError(f"{src}: [target] metric {metric!r} is not one of {', '.join(TARGET_METRICS)}")
-        smoothing = t.get("smoothing", 0.9)
-        _expect(smoothing, (int, float), "[target] 'smoothing'", src, "a number in [0, 1)")
-        if not 0 <= smoothing < 1:
-            raise SpecError(f"{src}: [target] smoothing must be in [0, 1), got {smoothing}")
-        bandwidths = t.get("bandwidths", [])
-        _expect(bandwidths, list, "[target] 'bandwidths'", src, 'a list of bandwidths, e.g. ["100mbit", "1gbit"]')
-        try:
-            bandwidth_columns(bandwidths)
-        except SpecError as e:
-            raise SpecError(f"{src}: [target] bandwidths: {e}") from None
-        target = Target(float(t["loss"]), metric, float(smoothing), list(bandwidths))
 
+def _check_target(t: Any, src: Path) -> Target:
+    """The ``[target]`` table: the loss to reach, the metric, its smoothing and the bandwidth columns."""
+    _expect(t, dict, "[target]", src, "a table, e.g. [target] loss = 6.5")
+    _check_keys("[target]", t, TARGET_KEYS, src)
+    if "loss" not in t:
+        raise SpecError(f"{src}: [target] needs 'loss', the loss to reach, e.g. loss = 6.5")
+    _expect(t["loss"], (int, float), "[target] 'loss'", src, "a number")
+    metric = t.get("metric", "loss")
+    if metric not in TARGET_METRICS:
+        raise SpecError(f"{src}: [target] metric {metric!r} is not one of {', '.join(TARGET_METRICS)}")
+    smoothing = t.get("smoothing", 0.9)
+    _expect(smoothing, (int, float), "[target] 'smoothing'", src, "a number in [0, 1)")
+    if not 0 <= smoothing < 1:
+        raise SpecError(f"{src}: [target] smoothing must be in [0, 1), got {smoothing}")
+    bandwidths = t.get("bandwidths", [])
+    _expect(bandwidths, list, "[target] 'bandwidths'", src, 'a list of bandwidths, e.g. ["100mbit", "1gbit"]')
+    try:
+        bandwidth_columns(bandwidths)
+    except SpecError as e:
+        raise SpecError(f"{src}: [target] bandwidths: {e}") from None
+    return Target(float(t["loss"]), metric, float(smoothing), list(bandwidths))
+
+
+def _check_plot(p: Any, src: Path) -> PlotOptions:
+    """The ``[plot]`` table: figures, captions, title and each figure's ``where``."""
     plot = PlotOptions()
-    if "plot" in raw:
-        p = raw["plot"]
-        _expect(p, dict, "[plot]", src, "a table")
-        _check_keys("[plot]", p, PLOT_KEYS, src)
-        if "figures" in p:
-            figs = p["figures"]
-            _expect(figs, list, "[plot] 'figures'", src, f"a list of figure names ({FIGURE_CHOICES})")
-            for fig in figs:
-                if not is_figure(fig):
-                    raise SpecError(f"{src}: [plot] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
-            plot.figures = list(figs)
-        caps = p.get("captions", {})
-        _expect(caps, dict, "[plot.captions]", src, "a table of figure name = caption")
-        for fig, text in caps.items():
+    _expect(p, dict, "[plot]", src, "a table")
+    _check_keys("[plot]", p, PLOT_KEYS, src)
+    if "figures" in p:
+        figs = p["figures"]
+        _expect(figs, list, "[plot] 'figures'", src, f"a list of figure names ({FIGURE_CHOICES})")
+        for fig in figs:
             if not is_figure(fig):
-                raise SpecError(f"{src}: [plot.captions] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
-            _expect(text, str, f"[plot.captions] {fig!r}", src, "a string")
-        plot.captions = dict(caps)
-        if "title" in p:
-            _expect(p["title"], str, "[plot] 'title'", src, "a string")
-            plot.title = p["title"]
-        plot.where = _check_where(p.get("where", {}), src)
-
-    repeats, repeats_where = _check_repeats(raw.get("repeats", 1), grid, src)
-    validate_config(dict(base), src, "[base]")
-    spec = Spec(src, name, description, dict(base), {k: list(v) for k, v in grid.items()}, target, plot,
-                repeats, repeats_where)
-    spec.cells = expand(spec)
-    defaults = TrainConfig()  # a key no cell sets has its default
-    if repeats_where and len(spec.cells) == len(list(itertools.product(*spec.grid.values()))):
-        raise SpecError(f"{src}: repeats where = {{{describe_where(repeats_where)}}} matches no cell of the grid")
-    for fig, where in plot.where.items():
-        if not any(matches_where(lambda k, c=c: c.config.get(k, getattr(defaults, k)), where) for c in spec.cells):
-            raise SpecError(f"{src}: [plot.where] {fig} = {{{describe_where(where)}}} matches no cell of the grid")
-    return spec
+                raise SpecError(f"{src}: [plot] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
+        plot.figures = list(figs)
+    caps = p.get("captions", {})
+    _expect(caps, dict, "[plot.captions]", src, "a table of figure name = caption")
+    for fig, text in caps.items():
+        if not is_figure(fig):
+            raise SpecError(f"{src}: [plot.captions] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
+        _expect(text, str, f"[plot.captions] {fig!r}", src, "a string")
+    plot.captions = dict(caps)
+    if "title" in p:
+        _expect(p["title"], str, "[plot] 'title'", src, "a string")
+        plot.title = p["title"]
+    plot.where = _check_where(p.get("where", {}), src)
+    return plot
 
 
 def _check_repeats(value: Any, grid: dict[str, Any], src: Path) -> tuple[int, dict[str, Any] | None]:

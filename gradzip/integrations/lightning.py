@@ -24,12 +24,16 @@ import warnings
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from gradzip.engine.ddp import GradzipHookState, gradzip_comm_hook
 from gradzip.errors import GradzipError
-from gradzip.integrations import check_state, log_figures
+from gradzip.integrations import check_state, log_figures, missing_extra
+
+try:
+    from lightning.pytorch import Callback
+except ModuleNotFoundError as e:
+    raise missing_extra("gradzip.integrations.lightning", e, "lightning") from None
 
 __all__ = ["GradzipCallback"]
 

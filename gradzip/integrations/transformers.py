@@ -29,12 +29,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainerCallback
 
 from gradzip.engine.ddp import GradzipHookState, ddp_hook
 from gradzip.errors import GradzipError
-from gradzip.integrations import check_state, log_figures, rank_file
+from gradzip.integrations import check_state, log_figures, missing_extra, rank_file
 from gradzip.io import atomic_write
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ModuleNotFoundError as e:
+    raise missing_extra("gradzip.integrations.transformers", e, "hf") from None
 
 __all__ = ["GradzipCallback"]
 

@@ -43,9 +43,7 @@ import ipaddress
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -55,7 +53,9 @@ from typing import Any
 
 from gradzip.errors import GradzipError
 from gradzip.io import atomic_write_json, file_lock
+from gradzip.netem.iproute import BRIDGE_IF, HOST_IF, NetemError, run_tool, tool
 from gradzip.netem.readiness import fill_neighbours, host_socket, wait_until_ready
+from gradzip.netem.shaping import loss_method, shape
 from gradzip.netem.spec import Shaping, parse_loss
 
 __all__ = ["Shaping", "Testbed", "HostCounters", "NetemError", "parse_loss", "up", "down", "reshape", "status",
@@ -64,16 +64,10 @@ __all__ = ["Shaping", "Testbed", "HostCounters", "NetemError", "parse_loss", "up
 ALLOWED = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544 benchmarking range
 DEFAULT_PREFIX = "gz"
 DEFAULT_SUBNET = "198.18.0.0/24"
-HOST_IF = "eth0"
-BRIDGE_IF = "br0"
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 # Test hook: a build step at which to fail ("raise:<step>") or to send ourselves SIGTERM or SIGINT
 # ("sigterm:<step>", "sigint:<step>"); steps are "bridge", "host:<i>", "shape:<i>". Unset in normal use.
 FAIL_ENV = "GRADZIP_NETEM_FAIL_AT"
-
-
-class NetemError(GradzipError):
-    """A testbed command failed or the machine cannot host a testbed."""
 
 
 @dataclass
@@ -135,14 +129,6 @@ class HostCounters:
 
 
 # ------------------------------------------------------------------------------ prerequisites
-def tool(name: str) -> str:
-    sbin = (f"/usr/sbin/{name}", f"/sbin/{name}")  # not on a non-root user's PATH on some distributions
-    path = shutil.which(name) or next((p for p in sbin if os.access(p, os.X_OK)), None)
-    if not path:
-        raise NetemError(f"the `{name}` command is missing: install iproute2 (e.g. apt-get install iproute2)")
-    return path
-
-
 def _effective_caps() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -187,20 +173,8 @@ def validate_subnet(subnet: str, hosts: int) -> str:
 
 
 # ------------------------------------------------------------------------------ commands
-def _run(*argv: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    path = tool(argv[0])
-    try:
-        p = subprocess.run([path, *argv[1:]], capture_output=True, text=True, timeout=30, input=stdin)
-    except subprocess.TimeoutExpired:
-        raise NetemError(f"`{' '.join(argv)}` did not finish within 30 s") from None
-    if check and p.returncode != 0:
-        msg = " ".join((p.stderr or p.stdout).split()) or f"exit code {p.returncode}"
-        raise NetemError(f"`{' '.join(argv)}` failed: {msg}")
-    return p
-
-
 def list_namespaces() -> list[str]:
-    p = _run("ip", "-j", "netns", "list", check=False)
+    p = run_tool("ip", "-j", "netns", "list", check=False)
     if p.returncode != 0 or not p.stdout.strip():
         return []
     return [d["name"] for d in json.loads(p.stdout)]
@@ -286,82 +260,7 @@ def signals_ignored() -> Iterator[None]:
 def _delete(names: list[str]) -> None:
     # Hosts first, then the bridge; deleting a namespace deletes its links and qdiscs.
     for ns in sorted(names, key=lambda n: n.endswith("-br")):
-        _run("ip", "netns", "del", ns, check=False)
-
-
-# ------------------------------------------------------------------------------ shaping
-_NETEM_OK: bool | None = None
-
-
-def netem_available(probe_ns: str) -> bool:
-    """Whether the kernel has sch_netem (probed once, on a throw-away veth inside ``probe_ns``)."""
-    global _NETEM_OK
-    if _NETEM_OK is None:
-        _run("ip", "-n", probe_ns, "link", "add", "gzprobe0", "type", "veth", "peer", "name", "gzprobe1")
-        try:
-            p = _run("tc", "-n", probe_ns, "qdisc", "add", "dev", "gzprobe0", "root", "netem", "delay", "1ms",
-                     check=False)
-            _NETEM_OK = p.returncode == 0
-        finally:
-            _run("ip", "-n", probe_ns, "link", "del", "gzprobe0", check=False)
-    return _NETEM_OK
-
-
-def _loss_method(shaping: Shaping, probe_ns: str) -> str:
-    if not shaping.delay_s and not shaping.loss_pct:
-        return "none"
-    if netem_available(probe_ns):
-        return "netem"
-    if shaping.delay_s:
-        raise NetemError(
-            "this kernel has no sch_netem (CONFIG_NET_SCH_NETEM), which --delay needs: "
-            "use --delay 0, or `modprobe sch_netem` on a kernel that has the module"
-        )
-    return "bpf"
-
-
-def _shape(ns: str, shaping: Shaping, method: str) -> None:
-    """htb root 1: -> link class 1:1 (rate) -> 1:5 small TCP packets (pure ACKs), priority 0, and
-    1:10 everything else; netem leaves under both for delay/loss; 1:20 is the bpf loss sink.
-
-    Why the ACK class: in a ring every host sends and receives at once, so its egress queue holds
-    its own data *and* the ACKs of the flow it receives. With one FIFO those ACKs wait behind up
-    to several MB of data (TCP small queues allow 4 MB per socket here), the reverse flow's RTT
-    balloons and it becomes window-limited: one direction then runs 20-30 % below the rate.
-    A switch port at 10 Gbit/s drains such a queue in milliseconds; at emulated rates it takes
-    seconds, so the emulator serves small packets first (as fq/fq_codel would)."""
-    bps = shaping.rate_bps
-    tc = ("tc", "-n", ns)
-    dev = ("dev", HOST_IF)
-    _run(*tc, "qdisc", "del", *dev, "root", check=False)
-    _run(*tc, "qdisc", "add", *dev, "root", "handle", "1:", "htb", "default", "10")
-
-    def cls(parent: str, classid: str, rate: float, *extra: str) -> None:
-        # quantum only matters between sibling classes; a fixed one silences htb's r2q warning.
-        _run(*tc, "class", "add", *dev, "parent", parent, "classid", classid, "htb", "rate", f"{int(rate)}bit",
-             "ceil", f"{int(bps)}bit", "quantum", "60000", *extra)
-
-    cls("1:", "1:1", bps)
-    cls("1:1", "1:5", bps / 20, "prio", "0")
-    cls("1:1", "1:10", bps * 19 / 20, "prio", "1")
-    if method == "netem":
-        args = ["delay", f"{shaping.delay_s * 1e6:.0f}us"] if shaping.delay_s else []
-        if shaping.loss_pct:
-            args += ["loss", f"{shaping.loss_pct:g}%"]
-        for leaf in ("5", "10"):
-            _run(*tc, "qdisc", "add", *dev, "parent", f"1:{leaf}", "handle", f"{leaf}:", "netem", *args,
-                 "limit", "100000")
-    elif method == "bpf":
-        # Classic BPF: A = random u32; if A >= threshold classify into 1:20 (queue of 0 bytes = drop).
-        threshold = min(2**32 - 1, int(round(2**32 * (1 - shaping.loss_pct / 100))))
-        code = f"4,32 0 0 {2**32 - 0x1000 + 56},53 0 1 {threshold},6 0 0 {2**32 - 1},6 0 0 0"
-        cls("1:", "1:20", bps)
-        _run(*tc, "qdisc", "add", *dev, "parent", "1:20", "handle", "20:", "bfifo", "limit", "0")
-        _run(*tc, "filter", "add", *dev, "parent", "1:", "pref", "1", "bpf", "bytecode", code, "classid", "1:20")
-    # IPv4 without options (IHL 5), TCP, total length < 128 bytes: pure ACKs (with SACK blocks).
-    _run(*tc, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "pref", "2", "u32",
-         "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f", "at", "0",
-         "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:5")
+        run_tool("ip", "netns", "del", ns, check=False)
 
 
 # ------------------------------------------------------------------------------ up / down
@@ -413,31 +312,31 @@ def _build(tb: Testbed) -> Testbed:
     try:
         with _signals_raise():
             br = tb.bridge_ns
-            _run("ip", "netns", "add", br)
+            run_tool("ip", "netns", "add", br)
             created.append(br)
-            _run("ip", "-n", br, "link", "add", BRIDGE_IF, "type", "bridge")
-            _run("ip", "-n", br, "link", "set", BRIDGE_IF, "addrgenmode", "none")
-            _run("ip", "-n", br, "link", "set", BRIDGE_IF, "up")
-            tb.loss_method = _loss_method(tb.shaping, br)
+            run_tool("ip", "-n", br, "link", "add", BRIDGE_IF, "type", "bridge")
+            run_tool("ip", "-n", br, "link", "set", BRIDGE_IF, "addrgenmode", "none")
+            run_tool("ip", "-n", br, "link", "set", BRIDGE_IF, "up")
+            tb.loss_method = loss_method(tb.shaping, br)
             _hook("bridge")
             for i in range(tb.hosts):
                 ns, port = tb.host_ns(i), f"h{i}"
-                _run("ip", "netns", "add", ns)
+                run_tool("ip", "netns", "add", ns)
                 created.append(ns)
-                _run("ip", "link", "add", HOST_IF, "netns", ns, "address", tb.host_mac(i), "mtu", str(tb.mtu),
-                     "type", "veth", "peer", "name", port, "netns", br, "mtu", str(tb.mtu))
+                run_tool("ip", "link", "add", HOST_IF, "netns", ns, "address", tb.host_mac(i), "mtu", str(tb.mtu),
+                        "type", "veth", "peer", "name", port, "netns", br, "mtu", str(tb.mtu))
                 # No IPv6 link-local address: no router/neighbour solicitations in the counters.
-                _run("ip", "-n", ns, "link", "set", HOST_IF, "addrgenmode", "none")
-                _run("ip", "-n", br, "link", "set", port, "addrgenmode", "none")
-                _run("ip", "-n", br, "link", "set", port, "master", BRIDGE_IF)
-                _run("ip", "-n", br, "link", "set", port, "up")
-                _run("ip", "-n", ns, "addr", "add", f"{tb.host_addr(i)}/{tb.prefixlen}", "dev", HOST_IF)
-                _run("ip", "-n", ns, "link", "set", "lo", "up")
-                _run("ip", "-n", ns, "link", "set", HOST_IF, "up")
+                run_tool("ip", "-n", ns, "link", "set", HOST_IF, "addrgenmode", "none")
+                run_tool("ip", "-n", br, "link", "set", port, "addrgenmode", "none")
+                run_tool("ip", "-n", br, "link", "set", port, "master", BRIDGE_IF)
+                run_tool("ip", "-n", br, "link", "set", port, "up")
+                run_tool("ip", "-n", ns, "addr", "add", f"{tb.host_addr(i)}/{tb.prefixlen}", "dev", HOST_IF)
+                run_tool("ip", "-n", ns, "link", "set", "lo", "up")
+                run_tool("ip", "-n", ns, "link", "set", HOST_IF, "up")
                 _hook(f"host:{i}")
-                _shape(ns, tb.shaping, tb.loss_method)
+                shape(ns, tb.shaping, tb.loss_method)
                 _hook(f"shape:{i}")
-            fill_neighbours(tb, _run)
+            fill_neighbours(tb, run_tool)
             _hook("neigh")
             wait_until_ready(tb)
             _save(tb)
@@ -464,9 +363,9 @@ def reshape(prefix: str, shaping: Shaping) -> Testbed:
 
 
 def _reshape_locked(tb: Testbed, shaping: Shaping) -> Testbed:
-    method = _loss_method(shaping, tb.bridge_ns)
+    method = loss_method(shaping, tb.bridge_ns)
     for i in range(tb.hosts):
-        _shape(tb.host_ns(i), shaping, method)
+        shape(tb.host_ns(i), shaping, method)
     tb = Testbed(tb.prefix, tb.hosts, shaping, tb.subnet, tb.mtu, method, tb.created)
     wait_until_ready(tb)
     _save(tb)
@@ -494,8 +393,8 @@ def counters(tb: Testbed, hosts: int | None = None) -> list[HostCounters]:
     out = []
     for i in range(tb.hosts if hosts is None else hosts):
         ns = tb.host_ns(i)
-        link = json.loads(_run("ip", "-n", ns, "-s", "-j", "link", "show", "dev", HOST_IF).stdout)[0]["stats64"]
-        qdiscs = json.loads(_run("tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", HOST_IF).stdout or "[]")
+        link = json.loads(run_tool("ip", "-n", ns, "-s", "-j", "link", "show", "dev", HOST_IF).stdout)[0]["stats64"]
+        qdiscs = json.loads(run_tool("tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", HOST_IF).stdout or "[]")
         root = next((q for q in qdiscs if q.get("root")), {})
         out.append(HostCounters(
             tx_bytes=int(link["tx"]["bytes"]), tx_packets=int(link["tx"]["packets"]),

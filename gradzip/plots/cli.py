@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from gradzip.plots.report import make_report, print_report
-from gradzip.plots.results import FIGURE_CHOICES, Target
+from gradzip.plots.results import FIGURE_CHOICES, LossTarget
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     figures = [f.strip() for f in args.figures.split(",") if f.strip()] if args.figures else None
-    target = Target(args.target, args.target_metric) if args.target is not None else None
+    target = LossTarget(args.target, args.target_metric) if args.target is not None else None
     bandwidths = ([b.strip() for b in args.target_bandwidths.split(",") if b.strip()]
                   if args.target_bandwidths else None)
     print_report(make_report(args.dir, args.out, figures, target, bandwidths=bandwidths))

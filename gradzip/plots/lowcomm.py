@@ -27,8 +27,9 @@ from matplotlib import transforms
 from matplotlib.ticker import FuncFormatter, LogLocator
 
 from gradzip.plots import style
-from gradzip.plots.figures import Skip, _fixed_caption, _fmt_value, clock_of
-from gradzip.plots.results import Collection, Run, Target, reference, where_text
+from gradzip.plots.captions import clock_of, fixed_caption, fmt_value
+from gradzip.plots.grouping import Skip
+from gradzip.plots.results import Collection, LossTarget, Run, reference, where_text
 from gradzip.plots.retime import bandwidth_columns, retimed_wall, time_to_target_at
 from gradzip.plots.seeds import Stat, stat
 from gradzip.plots.table import run_groups
@@ -53,7 +54,7 @@ def config_label(run: Run, col: Collection) -> str:
     """The name of ``run``'s configuration in ``col``: for each grid axis of tables, the table's
     ``label`` (or its ``key=value`` pairs); then every other parameter that varies (seed aside) as
     ``key=value``. Without such an axis: the compressor, then ``· key=value, ...`` of the other
-    varying parameters (the series label of :func:`gradzip.plots.figures.series`)."""
+    varying parameters (the series label of :func:`gradzip.plots.grouping.series`)."""
     parts: list[str] = []
     covered: set[str] = set()
     for values in ((col.spec.get("grid") or {}).values()):
@@ -63,11 +64,11 @@ def config_label(run: Run, col: Collection) -> str:
             continue
         covered |= set().union(*(set(x) - {"label"} for x in tables))
         parts.append(str(t["label"]) if "label" in t else
-                     ", ".join(f"{k}={_fmt_value(v)}" for k, v in t.items()))
+                     ", ".join(f"{k}={fmt_value(v)}" for k, v in t.items()))
     rest = [k for k in col.varying() if k != "seed" and k not in covered]
     if not parts:
         parts, rest = [run.compressor], [k for k in rest if k != "compressor"]
-    kv = ", ".join(f"{k}={_fmt_value(run.value(k))}" for k in rest)
+    kv = ", ".join(f"{k}={fmt_value(run.value(k))}" for k in rest)
     return " · ".join(parts) + (f" · {kv}" if kv else "")
 
 
@@ -86,7 +87,7 @@ def configurations(col: Collection) -> list[Config]:
     vary = [k for k in col.varying() if k not in ("seed", "compressor")]
     out = []
     for g in run_groups(col):
-        sec = ", ".join(f"{k}={_fmt_value(g[0].value(k))}" for k in vary)
+        sec = ", ".join(f"{k}={fmt_value(g[0].value(k))}" for k in vary)
         out.append(Config(config_label(g[0], col), g[0].compressor, sec, g))
     return out
 
@@ -187,7 +188,7 @@ def _place_labels(fig, ax, items: list[tuple[float, float, str]]) -> None:
         taken.append(chosen)
 
 
-def fig_loss_vs_bytes(col: Collection, pal: style.Palette, target: Target | None = None):
+def fig_loss_vs_bytes(col: Collection, pal: style.Palette, target: LossTarget | None = None):
     points, silent = bytes_points(col)
     if not points and not silent:
         raise Skip("no run has both bytes_total and final_eval_mlm_loss in its summary.json")
@@ -225,7 +226,7 @@ def fig_loss_vs_bytes(col: Collection, pal: style.Palette, target: Target | None
                   + ", ".join(p.config.label for p in front) + "." if len(front) > 1 else "")
                + "".join(f" {how}: {label}." for how, (_, label) in zip(("Dashed", "Dash-dotted"), ref))
                + (f" Not shown (sent no bytes, so no place on a log axis): {', '.join(silent)}." if silent else "")
-               + " " + _fixed_caption(col))
+               + " " + fixed_caption(col))
     return fig, " ".join(caption.split())
 
 
@@ -248,7 +249,7 @@ class TargetRow:
         return any(s.values for s in self.times.values())
 
 
-def target_rows(col: Collection, target: Target) -> list[TargetRow]:
+def target_rows(col: Collection, target: LossTarget) -> list[TargetRow]:
     """One :class:`TargetRow` per configuration, in the runs' order."""
     cols = bandwidth_columns(target.bandwidths)
     rows = []
@@ -260,7 +261,7 @@ def target_rows(col: Collection, target: Target) -> list[TargetRow]:
     return rows
 
 
-def fig_time_to_target(col: Collection, pal: style.Palette, target: Target | None = None):
+def fig_time_to_target(col: Collection, pal: style.Palette, target: LossTarget | None = None):
     if target is None:
         raise Skip("no target loss: give the spec a [target] (or gradzip plot --target LOSS)")
     if not target.bandwidths:
@@ -321,5 +322,5 @@ def fig_time_to_target(col: Collection, pal: style.Palette, target: Target | Non
                    + ".") if n > 1 else "")
                + (f" Never reached: {', '.join(never)}." if never else "")
                + (f" Reached by some seeds only (hollow markers: their mean): {', '.join(partial)}." if partial else "")
-               + " " + _fixed_caption(col, {"bandwidth"}))
+               + " " + fixed_caption(col, {"bandwidth"}))
     return fig, " ".join(caption.split())

@@ -11,23 +11,14 @@ masked-token accuracy, chance for NSP accuracy), it is a dashed line.
 from __future__ import annotations
 
 from gradzip.plots import style
-from gradzip.plots.figures import (
-    Skip,
-    _clock_caption,
-    _facetted,
-    _fixed_caption,
-    _mean_curve,
-    _seed_note,
-    clock_of,
-    series,
-    smoothing_half_window,
-)
-from gradzip.plots.results import METRICS, Collection, Run, Target, centred_mean, metric_figure, reference
+from gradzip.plots.captions import clock_caption, clock_of, fixed_caption, seed_note
+from gradzip.plots.grouping import Skip, facetted, mean_curve, series, smoothing_half_window
+from gradzip.plots.results import METRICS, Collection, LossTarget, Run, centred_mean, metric_figure, reference
 
 SMOOTHED = {"loss", "mlm_loss", "nsp_loss", "grad_norm"}
 
 
-def fig_metric(name: str, col: Collection, pal: style.Palette, target: Target | None = None):
+def fig_metric(name: str, col: Collection, pal: style.Palette, target: LossTarget | None = None):
     parsed = metric_figure(name)
     if parsed is None:
         raise Skip(f"{name!r} names no metric")
@@ -57,7 +48,7 @@ def fig_metric(name: str, col: Collection, pal: style.Palette, target: Target | 
             if not group:
                 continue
             color, (ls, marker) = pal.color(s.compressor), pal.style(s.secondary)
-            xs, mean, lo, hi = _mean_curve(group, xs_of, ys_of)
+            xs, mean, lo, hi = mean_curve(group, xs_of, ys_of)
             ax.plot(xs, mean, color=color, linestyle=ls, marker=marker if sparse else None, markersize=4,
                     label=s.label + (f" ({s.clock})" if x == "time" else ""))
             if len(group) > 1:
@@ -69,7 +60,7 @@ def fig_metric(name: str, col: Collection, pal: style.Palette, target: Target | 
 
     clock = clock_of(runs)
     xlabel = "optimizer step (count)" if x == "steps" else f"wall-clock time (s, {clock})"
-    fig, pn = _facetted(col, set(), draw, xlabel, METRICS[metric],
+    fig, pn = facetted(col, set(), draw, xlabel, METRICS[metric],
                         single_width=7.2 if len(series(col)) > 6 else None)
     if len(fig.axes) == 1:
         fig.axes[0].set_title(f"{METRICS[metric]} against {'steps' if x == 'steps' else 'time'}")
@@ -78,7 +69,7 @@ def fig_metric(name: str, col: Collection, pal: style.Palette, target: Target | 
                + (f", smoothed by a centred moving average over {2 * half + 1} points" if half else "")
                + (", at each evaluation" if sparse else "") + "."
                + "".join(f" {how}: {label}." for how, (_, label) in zip(("Dashed", "Dotted"), ref))
-               + _seed_note(series(col)) + pn.text() + " "
-               + (_clock_caption(runs) + " " if x == "time" else "") + _fixed_caption(col))
+               + seed_note(series(col)) + pn.text() + " "
+               + (clock_caption(runs) + " " if x == "time" else "") + fixed_caption(col))
     return fig, " ".join(caption.split())
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from gradzip.errors import GradzipError
 from gradzip.io import atomic_write_text
 from gradzip.plots.figures import draw_all
-from gradzip.plots.results import FIGURE_CHOICES, Collection, Target, is_figure, load_runs
+from gradzip.plots.results import FIGURE_CHOICES, Collection, LossTarget, is_figure, load_runs
 from gradzip.plots.retime import bandwidth_columns
 from gradzip.plots.table import results_csv, results_markdown
 
@@ -31,7 +31,7 @@ class Report:
 
 
 def make_report(path: str | Path, out: str | Path | None = None, figures: list[str] | None = None,
-                target: Target | None = None, captions: dict[str, str] | None = None,
+                target: LossTarget | None = None, captions: dict[str, str] | None = None,
                 bandwidths: list[str] | None = None) -> Report:
     """Load the runs under ``path`` and write figures, captions and tables (see module doc).
 

@@ -108,8 +108,10 @@ NOT_BYTES_KEYS = {"bandwidth", "latency", "seed", "lr", "warmup", "clip"}
 
 
 @dataclass
-class Target:
-    """See :class:`gradzip.experiments.spec.Target` (duplicated to keep plots free of experiments).
+class LossTarget:
+    """The loss (or other ``metric``) a run must reach for its time to target: the ``[target]`` of a
+    spec or ``gradzip plot --target``. The same fields as :class:`gradzip.experiments.spec.Target`
+    (repeated here to keep plots free of experiments).
 
     ``bandwidths`` (texts such as ``"100mbit"``, or bits/s) add the modelled time to the target at
     each of them (:mod:`gradzip.plots.retime`)."""
@@ -155,6 +157,11 @@ class Run:
             if m.get("clock"):
                 return str(m["clock"])
         return str((self.summary or {}).get("clock", "measured"))
+
+    @property
+    def contended(self) -> bool:
+        """Some of the run's steps shared their cores with other processes (summary's ``contended``)."""
+        return bool((self.summary or {}).get("contended"))
 
     @property
     def workers(self) -> int:
@@ -274,7 +281,7 @@ class Run:
         v = (self.summary or {}).get("bytes_total")
         return None if v is None else float(v)
 
-    def target_index(self, target: Target) -> int | None:
+    def target_index(self, target: LossTarget) -> int | None:
         """Index in ``metrics`` of the row where the target metric first reaches ``target.loss``
         (None: never): the first eval at or below it (``metric="eval_loss"``), or the first step
         whose bias-corrected EMA of the training loss (decay ``smoothing``) is at or below it."""
@@ -285,7 +292,7 @@ class Run:
         smoothed = ema([float(self.metrics[i]["loss"]) for i in idx], target.smoothing)
         return next((i for i, s in zip(idx, smoothed) if s <= target.loss), None)
 
-    def time_to_target(self, target: Target | None) -> tuple[int, float] | None:
+    def time_to_target(self, target: LossTarget | None) -> tuple[int, float] | None:
         """(step, cumulative seconds) where the target metric first reaches ``target.loss``."""
         if target is None:
             return None
@@ -357,9 +364,9 @@ class Collection:
         return (self.sweep or {}).get("spec") or {}
 
     @property
-    def target(self) -> Target | None:
+    def target(self) -> LossTarget | None:
         t = self.spec.get("target")
-        return Target(**t) if t else None
+        return LossTarget(**t) if t else None
 
     def varying(self) -> list[str]:
         """Parameters whose value differs between runs, grid axes first (in grid order)."""

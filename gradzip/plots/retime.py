@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradzip.errors import SpecError
-from gradzip.plots.results import Run, Target
+from gradzip.plots.results import LossTarget, Run
 from gradzip.units import format_bandwidth, parse_bandwidth
 
 BITS_PER_BYTE = 8
@@ -94,7 +94,7 @@ def retimed_wall(run: Run, bps: float) -> list[float] | None:
     return out
 
 
-def time_to_target_at(run: Run, target: Target, bps: float) -> float | None:
+def time_to_target_at(run: Run, target: LossTarget, bps: float) -> float | None:
     """Modelled seconds until ``target`` is first reached if the run's link had ``bps`` bits/s
     (None: never reached, or the run cannot be re-timed)."""
     i = run.target_index(target)

@@ -22,8 +22,9 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter, NullLocator
 
 from gradzip.plots import style
-from gradzip.plots.figures import Skip, _by, _clock_caption, _fixed_caption, _fmt_value, clock_of
-from gradzip.plots.results import NOT_BYTES_KEYS, Collection, Run, Target
+from gradzip.plots.captions import clock_caption, clock_of, fixed_caption, fmt_value
+from gradzip.plots.grouping import Skip, by
+from gradzip.plots.results import NOT_BYTES_KEYS, Collection, LossTarget, Run
 
 SCHEME_MARKERS = {"allreduce": "o", "allgather": "s", "twophase": "^", "sparse": "D"}
 # Varying keys that never split a line: the x axis, run length, and what changes no byte or second.
@@ -108,7 +109,7 @@ def methods(col: Collection, exclude: set[str] = frozenset()) -> list[Method]:
         comp, _ = split_compressor(r.compressor)
         scheme, hier = scheme_of(r), is_hierarchical(r)
         per_node = r.value("ranks_per_node") if hier else None
-        extra = ", ".join(f"{k}={_fmt_value(r.value(k))}" for k in others)
+        extra = ", ".join(f"{k}={fmt_value(r.value(k))}" for k in others)
         key = (comp, scheme, hier, str(per_node), extra)
         if key not in out:
             label = " · ".join(t for t in (comp, scheme, ("hierarchical" + (f" ({per_node}/node)" if per_node else ""))
@@ -165,7 +166,7 @@ def _ratio_text(m: Method, pts: dict[float, tuple[float, float, float]], payload
     return f"{m.label}{where} {pts[lo][0] / payload:.3g}× at n={lo:g} → {pts[hi][0] / payload:.3g}× at n={hi:g}"
 
 
-def fig_bytes_workers(col: Collection, pal: style.Palette, target: Target | None = None):
+def fig_bytes_workers(col: Collection, pal: style.Palette, target: LossTarget | None = None):
     """Bytes sent per rank per step against workers, log-log, one line per method; a second panel
     with the bytes that crossed nodes when some runs keep traffic inside nodes."""
     ns = sorted({r.workers for r in col.runs if r.bytes_per_step is not None})
@@ -182,7 +183,7 @@ def fig_bytes_workers(col: Collection, pal: style.Palette, target: Target | None
     zeros: dict[float, list[str]] = {}  # workers -> methods that send nothing across nodes there
     for i, (ax, (title, value)) in enumerate(zip(axes, panels)):
         for m in ms:
-            pts = _by(m.runs, lambda r: r.workers, value)
+            pts = by(m.runs, lambda r: r.workers, value)
             if i == 1:
                 for x in (x for x, v in pts.items() if v[0] <= 0):
                     zeros.setdefault(x, []).append(m.label)
@@ -222,7 +223,7 @@ def fig_bytes_workers(col: Collection, pal: style.Palette, target: Target | None
             hier = [m.label for m in ms if m.hierarchical and any(r.workers == x for r in m.runs)]
             who = "every hierarchical method" if labels == hier else ", ".join(labels)
             caption += f"Nothing crosses nodes for {who} at n={x:g} (one node): not drawn on the log axis. "
-    caption += _fixed_caption(col, NOT_BYTES_KEYS | {"workers", "steps"})
+    caption += fixed_caption(col, NOT_BYTES_KEYS | {"workers", "steps"})
     return fig, " ".join(caption.split())
 
 
@@ -279,7 +280,7 @@ def free_throughput(col: Collection, ref: dict[tuple[str, ...], float] | None = 
     return int(r0.config.get("batch_size", 1)) * int(r0.config.get("accumulation", 1)) / t
 
 
-def fig_throughput_workers(col: Collection, pal: style.Palette, target: Target | None = None):
+def fig_throughput_workers(col: Collection, pal: style.Palette, target: LossTarget | None = None):
     """Global samples/s against workers, one line per method, with the communication-free bound
     n × :func:`free_throughput` dashed. On the sim's clock the lines are load-normalised
     (:func:`normalised_samples_per_s`) and each run's own samples/s is drawn faintly beside them; on a
@@ -296,13 +297,13 @@ def fig_throughput_workers(col: Collection, pal: style.Palette, target: Target |
     ys_all: list[float] = []
     for m in ms:
         value = (lambda r: normalised_samples_per_s(r, ref)) if norm else (lambda r: r.samples_per_s)
-        pts = _by(m.runs, lambda r: r.workers, value)
+        pts = by(m.runs, lambda r: r.workers, value)
         if not pts:
             continue
         _plot_points(ax, m, pts, pal, 1.0, m.label)
         ys_all += [v[0] for v in pts.values()]
         if norm:
-            raw = _by(m.runs, lambda r: r.workers, lambda r: r.samples_per_s)
+            raw = by(m.runs, lambda r: r.workers, lambda r: r.samples_per_s)
             ax.plot(list(raw), [v[0] for v in raw.values()], linestyle="none", marker=m.style(pal)["marker"],
                     color=pal.color(m.compressor), alpha=0.3, markersize=3.5)
             ys_all += [v[0] for v in raw.values()]
@@ -343,6 +344,6 @@ def fig_throughput_workers(col: Collection, pal: style.Palette, target: Target |
         caption += f"At {ns[-1]} workers: " + ", ".join(f"{lab} {v:,.0f}" for v, lab in ranked)
         caption += (f" (bound {ns[-1] * free:,.0f})" if free else "") + ". "
     caption += ("Compute and compression are measured in every run, so close points are within timing noise. "
-                + _clock_caption(col.runs) + " " + _fixed_caption(col, {"workers", "steps"}))
+                + clock_caption(col.runs) + " " + fixed_caption(col, {"workers", "steps"}))
     return fig, " ".join(caption.split())
 

@@ -18,8 +18,9 @@ from typing import Any
 from matplotlib.patches import Patch
 
 from gradzip.plots import style
-from gradzip.plots.figures import Series, Skip, _clock_caption, _fixed_caption, series
-from gradzip.plots.results import Collection, Run, Target
+from gradzip.plots.captions import clock_caption, fixed_caption
+from gradzip.plots.grouping import Series, Skip, series
+from gradzip.plots.results import Collection, LossTarget, Run
 
 MAX_ROWS = 8
 # Compute-thread span kinds -> (colour, legend label); waits are the exposed communication.
@@ -62,7 +63,7 @@ def _rows(col: Collection) -> list[tuple[Series, Run, dict[str, Any]]]:
     return rows[:MAX_ROWS]
 
 
-def fig_schedule(col: Collection, pal: style.Palette, target: Target | None = None):
+def fig_schedule(col: Collection, pal: style.Palette, target: LossTarget | None = None):
     rows = _rows(col)
     if not rows:
         raise Skip("no run has a schedule.json (written by gradzip train with --sync step)")
@@ -95,5 +96,5 @@ def fig_schedule(col: Collection, pal: style.Palette, target: Target | None = No
                "thread, forward and backward interrupted by each bucket's encode, then the waits for the link "
                "(exposed communication) and the decodes; on the link, each bucket's rounds, alternating shades "
                "by bucket. A link bar that starts where its encode ends is a bucket that travelled while "
-               "backward went on. " + _clock_caption([r for _, r, _ in rows]) + " " + _fixed_caption(col))
+               "backward went on. " + clock_caption([r for _, r, _ in rows]) + " " + fixed_caption(col))
     return fig, " ".join(caption.split())

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gradzip.plots.results import Collection, Run, Target, _hashable
+from gradzip.plots.results import Collection, LossTarget, Run, _hashable
 from gradzip.plots.retime import bandwidth_columns, time_to_target_at
 from gradzip.plots.seeds import Stat, exceeds_spread, spread_of, stat
 from gradzip.units import format_bandwidth
@@ -54,7 +54,7 @@ class Delta:
     spread: float | None
 
 
-def _run_numbers(r: Run, target: Target | None, accs: list[str]) -> dict[str, Any]:
+def _run_numbers(r: Run, target: LossTarget | None, accs: list[str]) -> dict[str, Any]:
     d: dict[str, Any] = {"final_eval_loss": r.final_eval_loss, "final_eval_mlm_loss": r.final_eval_mlm_loss}
     d.update({k: (r.summary or {}).get(k) for k in accs if k != "final_eval_mlm_loss"})
     if target:
@@ -66,7 +66,7 @@ def _run_numbers(r: Run, target: Target | None, accs: list[str]) -> dict[str, An
     return d
 
 
-def results_rows(col: Collection, target: Target | None = None) -> tuple[list[str], list[list[Any]]]:
+def results_rows(col: Collection, target: LossTarget | None = None) -> tuple[list[str], list[list[Any]]]:
     """Header and rows of the results table: one row per run, or, when some runs differ only by
     seed, one row per seed group whose numbers are :class:`~gradzip.plots.seeds.Stat` and whose
     Δ vs none is a :class:`Delta`."""
@@ -91,7 +91,7 @@ def results_rows(col: Collection, target: Target | None = None) -> tuple[list[st
             d = _run_numbers(r, target, accs)
             if base is not None and r.final_eval_loss is not None and base.final_eval_loss is not None:
                 d["delta_vs_none"] = r.final_eval_loss - base.final_eval_loss
-            d["clock"] = r.clock
+            d["clock"] = r.clock + (" (contended)" if r.contended else "")
             rows.append([r.name, r.compressor, *(r.value(k) for k in vary), *(d.get(k) for k in numbers)])
         return ["run", "compressor", *vary, *numbers], rows
     stats = []
@@ -108,7 +108,7 @@ def results_rows(col: Collection, target: Target | None = None) -> tuple[list[st
         a, b = st["final_eval_loss"], base["final_eval_loss"] if base else None
         d["delta_vs_none"] = (Delta(a.mean - b.mean, exceeds_spread(a, b), spread_of(a, b))
                               if b is not None and a.mean is not None and b.mean is not None else None)
-        d["clock"] = first.clock
+        d["clock"] = first.clock + (" (contended)" if any(r.contended for r in g) else "")
         rows.append([first.compressor, *(first.value(k) for k in vary), len(g), *(d.get(k) for k in numbers)])
     return ["compressor", *vary, "seeds", *numbers], rows
 
@@ -155,7 +155,7 @@ def _cell(h: str, v: Any, compressor: str) -> str:
     return str(v)
 
 
-def results_markdown(col: Collection, target: Target | None = None) -> str:
+def results_markdown(col: Collection, target: LossTarget | None = None) -> str:
     target = target or col.target
     header, rows = results_rows(col, target)
     show_run = "run" in header and len({r.name for r in col.runs}) > 1
@@ -176,6 +176,10 @@ def results_markdown(col: Collection, target: Target | None = None) -> str:
              "equal parameters. MB/step: megabytes (10^6 B) sent per rank per optimizer step. "
              "compression ×: fp32 bytes / bytes sent. samples/s: global samples per second on the run's clock, "
              "first step (warm-up) excluded."]
+    if any(r.contended for r in col.runs):
+        notes.append("(contended): some of that row's steps shared their cores with other processes (summary.json's "
+                     "contended_steps); its measured times, and so its samples/s, may be inflated. sim's modelled "
+                     "times count one-thread CPU time and hold up best.")
     if seeded:
         notes.append("Runs that differ only by seed are one row: the mean, with the min–max range for 2–3 seeds or "
                      "± the standard deviation for 4 or more; Δ vs none is the difference of the means, marked "
@@ -191,7 +195,7 @@ def results_markdown(col: Collection, target: Target | None = None) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
-def results_csv(col: Collection, target: Target | None = None) -> str:
+def results_csv(col: Collection, target: LossTarget | None = None) -> str:
     """The table as CSV: a seed group's number ``x`` becomes ``x`` (the mean), ``x_std``, ``x_min``,
     ``x_max``; its Δ vs none adds ``delta_exceeds_spread``."""
     header, rows = results_rows(col, target)

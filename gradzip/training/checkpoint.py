@@ -165,7 +165,7 @@ class RunState:
     optimizer: Any
     schedule: Any
     precision: Any
-    engine: Any
+    sync: Any  # the Synchronizer; its state is saved under "engine" (the key of every checkpoint so far)
     rngs: Any
     progress: dict[str, Any]
     config: dict[str, Any]
@@ -174,7 +174,7 @@ class RunState:
 def save_run(directory: str | os.PathLike[str], st: RunState, runtime: Any, keep: int) -> None:
     """Write the checkpoint of step ``st.progress["step"]`` on every rank (shards first)."""
     step = int(st.progress["step"])
-    own = {"engine": st.engine.state_dict(), "rng": st.rngs.state_dict(), "host_rng": host_rng_state()}
+    own = {"engine": st.sync.state_dict(), "rng": st.rngs.state_dict(), "host_rng": host_rng_state()}
     if runtime.rank != 0:
         save(directory, step, runtime.rank, None, own, keep)
     runtime.barrier()  # every shard is on disk before rank 0's file marks the checkpoint complete
@@ -212,6 +212,14 @@ def _newest_loadable(directory: str | os.PathLike[str], runtime: Any) -> tuple[t
                        "are unreadable; see its message)")
 
 
+def fresh_start_note(cfg: TrainConfig, out: Path) -> str | None:
+    """``--resume auto`` with nothing to resume in ``out``: the one line that says a fresh run starts."""
+    if not (cfg.resume and cfg.resume_auto) or latest_checkpoint(out) is not None:
+        return None
+    why = "does not exist" if not out.exists() else "holds no checkpoint" if any(out.iterdir()) else "is empty"
+    return f"gradzip train: --resume auto: {out} {why}; starting a fresh run there"
+
+
 def restore_run(directory: str | os.PathLike[str], st: RunState, runtime: Any) -> bool:
     """Load the newest checkpoint that every rank can read into ``st`` (in place), warning about
     the newer ones skipped. False if there is none at all."""
@@ -223,7 +231,7 @@ def restore_run(directory: str | os.PathLike[str], st: RunState, runtime: Any) -
         st.optimizer.load_state_dict(shared["optimizer"])
         st.schedule.load_state_dict(shared["schedule"])
         st.precision.load_state_dict(shared["scaler"])
-        st.engine.load_state_dict(own["engine"])
+        st.sync.load_state_dict(own["engine"])
         st.rngs.load_state_dict(own["rng"])
         set_host_rng_state(own["host_rng"])
     except (KeyError, RuntimeError, ValueError) as e:
@@ -266,11 +274,17 @@ def check_out_dir(cfg: TrainConfig) -> Path:
     if nonempty and not cfg.resume:
         raise GradzipError(f"--out {out} exists and is not empty; pass --resume to continue that run, "
                            "or choose another --out")
+    if cfg.resume and not nonempty and not cfg.resume_auto:
+        what = "is empty" if out.is_dir() else "does not exist"
+        raise GradzipError(f"--resume: --out {out} {what}, so there is no run to continue; check the path, "
+                           "or pass --resume auto to start a fresh run when there is nothing to resume")
     if cfg.resume and nonempty:
         found = latest_checkpoint(out)
-        if found is None:
+        if found is None and not (cfg.resume_auto and (out / "config.toml").is_file()):
             raise GradzipError(f"--resume: {out} holds no checkpoint (ckpt-*.pt) to continue from; "
                                "run with --checkpoint-every N, or choose another --out")
+        if found is None:  # --resume auto: a run stopped before its first checkpoint starts again
+            return out
         if cfg.steps < found[0]:  # a shorter run would rewrite history: its config would contradict the files
             raise GradzipError(f"--resume --steps {cfg.steps}: the run in {out} has done {found[0]} steps; "
                                f"resume with --steps {found[0]} or more (more extends its schedule), "

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gradzip.comm.launch import detect_launcher_env, spawn_local
+from gradzip.host import choose_threads
 from gradzip.training.checkpoint import check_out_dir
 from gradzip.training.config import BACKENDS, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, load_toml, write_toml
 from gradzip.training.faults import FaultPlan
@@ -128,14 +129,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--keep-checkpoints", "how many of the newest checkpoints are kept", type=int)
     flag(g, "--out", "output directory; must be new or empty (default runs/<model>-<compressor>-<backend><N>-<time>)",
          show_default=False, metavar="DIR")
-    flag(g, "--resume", "continue the run in --out from its newest checkpoint (its config.toml is the base)",
-         show_default=False, action="store_true")
+    flag(g, "--resume", "continue the run in --out from its newest checkpoint (its config.toml is the base); "
+         "a missing or empty --out is an error. --resume auto starts a fresh run there instead when there is "
+         "nothing to resume (for preemptible job scripts)", show_default=False, nargs="?", const=True,
+         type=_resume_value, metavar="auto")
     flag(g, "--config", "settings file; keys as the flags (batch-size or batch_size); flags override it",
          show_default=False, metavar="FILE.toml")
     flag(g, "--log", "also stream metrics.jsonl's records to these sinks (comma-separated): tensorboard, wandb "
          "(offline), mlflow (local files); each needs its extra, e.g. pip install 'gradzip[tensorboard]'",
          show_default=False, metavar="SINKS")
     flag(g, "--no-progress", "no progress bar", show_default=False, dest="progress", action="store_false")
+
+
+def _resume_value(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"takes no value, or 'auto' (start fresh when there is nothing to "
+                                         f"resume), not {text!r}")
+    return text
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -178,12 +188,13 @@ def _spawn(cfg: TrainConfig) -> int:
     check_out_dir(cfg)  # refuse before any process starts; reads only
     build_data(cfg, Runtime(device=torch.device("cpu"), rank=0, num_workers=1))  # warm the data cache once
     env = {LAUNCH_MARKER: "1"}
-    if "OMP_NUM_THREADS" not in os.environ:  # N processes share the cores
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.workers))
+    if "OMP_NUM_THREADS" not in os.environ:  # N processes share the cores that are free
+        env["OMP_NUM_THREADS"] = str(max(1, choose_threads()[0] // cfg.workers))
     with tempfile.TemporaryDirectory(prefix="gradzip-train-") as tmp:
         path = Path(tmp) / "config.toml"
         write_toml(cfg, path)  # the fully resolved config, so every rank runs exactly this
-        argv = ["train", "--config", str(path)] + (["--resume"] if cfg.resume else [])
+        argv = ["train", "--config", str(path)] + (["--resume"] if cfg.resume else []) + \
+            (["auto"] if cfg.resume_auto else [])
         if cfg.stop_at is not None:  # per-invocation settings are not in config.toml
             argv += ["--stop-at", str(cfg.stop_at)]
         rc = _launch(cfg, argv, env)
@@ -226,3 +237,5 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "
           f"({s.get('clock')}), {f(s.get('bytes_per_step'), ',.0f')} bytes/step sent per rank{between}, "
           f"compression {f(s.get('compression_ratio'), '.1f')}x{skipped} -> {s.get('out')}")
+    if s.get("warning"):
+        print(f"gradzip train: warning: {s['warning']}", file=sys.stderr)

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from gradzip.cluster.sync import SyncSpec, parse_sync
-from gradzip.compress.registry import create, parse_spec
+from gradzip.compress.registry import create, normalize_spec, parse_spec
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
 from gradzip.models import bert_config
 from gradzip.netem.spec import parse_netem
+from gradzip.plan.sync import SyncSpec, parse_sync
 from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
@@ -50,13 +50,13 @@ DEVICES = ("auto", "cpu", "cuda")
 # (``steps`` may change to extend a run; the LR schedule then follows the new length.)
 RESUME_MUTABLE = frozenset({
     "steps", "stop_at", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-    "timeout", "progress", "resume", "config", "out", "netem", "max_skips", "log",
+    "timeout", "progress", "resume", "resume_auto", "config", "out", "netem", "max_skips", "log",
 })
 # Fields not written to a run's config.toml: they describe one invocation, not the run (so that
 # `--resume` after `--stop-at` does not stop again at the same step).
 # Fields a rank may set differently from the others: they change no collective and no result.
 RANK_LOCAL = frozenset({"progress", "config", "timeout", "log"})
-_NOT_SAVED = frozenset({"resume", "config", "stop_at"})
+_NOT_SAVED = frozenset({"resume", "resume_auto", "config", "stop_at"})
 
 
 @dataclass
@@ -67,7 +67,7 @@ class TrainConfig:
     model: str = "bert-tiny"
     compressor: str = "none"
     exchange: str | None = None  # the scheme (gradzip ls), instead of the spec's exchange=...
-    sync: str = "step"  # step (every step), diloco:every=H,..., localsgd:every=H (gradzip.cluster.sync)
+    sync: str = "step"  # step (every step), diloco:every=H,..., localsgd:every=H (gradzip.plan.sync)
     backend: str = "sim"
     workers: int = 4
     bandwidth: str = "1gbit"
@@ -107,6 +107,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     out: str | None = None
     resume: bool = False
+    resume_auto: bool = False  # --resume auto: start fresh when there is nothing to resume
     config: str | None = None
     progress: bool = True
     log: str | None = None  # live-curve sinks beside metrics.jsonl: tensorboard, wandb, mlflow (comma-separated)
@@ -127,9 +128,12 @@ class TrainConfig:
         kwargs = {}
         for raw_key, value in d.items():
             key = _field_name(raw_key, source)
+            if key == "resume" and value == "auto":  # --resume auto, or resume = "auto" in a file
+                value, kwargs["resume_auto"] = True, True
             if key in kwargs:
                 raise GradzipError(f"{_pre(source)}key {raw_key!r} given twice (as {key!r})")
             kwargs[key] = _check_type(key, value, source)
+        _normalize_names(kwargs)
         cfg = cls(**kwargs)
         cfg.validate(source)
         return cfg
@@ -385,6 +389,19 @@ _TYPES: dict[str, tuple[type, bool]] = {}  # name -> (base type, optional)
 for _f in fields(TrainConfig):
     _t = str(_f.type)
     _TYPES[_f.name] = ({"int": int, "float": float, "str": str, "bool": bool}[_t.split(" |")[0]], "None" in _t)
+
+
+def _normalize_names(kwargs: dict[str, Any]) -> None:
+    """Names in their registered spelling (``topK`` → ``topk``, ``FP16`` → ``fp16``), so configs,
+    labels and run names echo one spelling; a spec that does not parse is left for validation."""
+    if isinstance(kwargs.get("compressor"), str):
+        try:
+            kwargs["compressor"] = normalize_spec(kwargs["compressor"])
+        except SpecError:
+            pass
+    for key in ("exchange", "model", "optimizer", "backend", "precision", "device"):
+        if isinstance(kwargs.get(key), str):
+            kwargs[key] = kwargs[key].strip().lower()
 
 
 def _flag(key: str) -> str:

@@ -25,17 +25,19 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any
 
 import torch
 
 from gradzip.comm.cost import allreduce_bytes
-from gradzip.engine import attach
-from gradzip.engine.diloco import DiLoCo, outer_sgd
 from gradzip.engine.stats import StepStats
+from gradzip.engine.synchronizer import Synchronizer
 from gradzip.errors import TrainingError
+from gradzip.host import HostMonitor
 from gradzip.models import BertForPreTraining, bert_config
+from gradzip.optim import build_optimizer
 from gradzip.training import checkpoint
 from gradzip.training.config import TrainConfig, write_toml
 from gradzip.training.evaluate import evaluate, to_device
@@ -50,20 +52,22 @@ from gradzip.training.metrics import (
     write_schedule,
     write_summary,
 )
-from gradzip.training.optim import WarmupDecay, build_optimizer
 from gradzip.training.precision import Precision
 from gradzip.training.progress import Progress
 from gradzip.training.rng import WorkerRNG, seed_everything
 from gradzip.training.runtime import build_data, create_runtime
+from gradzip.training.schedule import WarmupDecay
+from gradzip.training.sync import Stepper, make_synchronizer
 
 __all__ = ["TrainConfig", "train"]
 
+EVAL_FIELDS = ("eval_loss", "eval_mlm_loss", "eval_nsp_loss", "eval_mlm_acc", "eval_nsp_acc")
+
 
 def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runtime: Any, step: int, w: int,
-             losses: torch.Tensor, engine: Any = None) -> tuple[int, int]:
-    """Worker ``w``'s micro-batches of ``step``: forward and backward (the engine, when given,
-    exchanges after the last one); adds [loss, mlm, nsp] averaged over them to ``losses``.
-    Returns (tokens, samples)."""
+             losses: torch.Tensor, sync: Synchronizer) -> tuple[int, int]:
+    """Worker ``w``'s micro-batches of ``step``: forward and backward (the synchroniser exchanges
+    after the last one); adds [loss, mlm, nsp] averaged over them to ``losses``. Returns (tokens, samples)."""
     tokens = samples = 0
     for micro in range(cfg.accumulation):
         batch = data.batch("train", step=step * cfg.accumulation + micro, worker=w,
@@ -71,8 +75,8 @@ def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runt
                            mask_prob=cfg.mask_prob)
         tokens += int(batch["attention_mask"].sum())
         samples += int(batch["input_ids"].shape[0])
-        sync = engine is None or micro == cfg.accumulation - 1  # exchange only after the last micro-batch
-        with contextlib.nullcontext() if sync else engine.no_sync():
+        last = micro == cfg.accumulation - 1  # exchange only after the last micro-batch
+        with contextlib.nullcontext() if last else sync.no_sync():
             with precision.autocast():
                 res = model(**to_device(batch, runtime.device))
             precision.backward(res.loss / cfg.accumulation)
@@ -80,10 +84,108 @@ def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runt
     return tokens, samples
 
 
-def _finite(params: list[torch.Tensor]) -> bool:
-    """True when every gradient is finite (one host sync; an overflowing fp32 sum counts as not)."""
-    sums = [torch.sum(p.grad, dtype=torch.float32) for p in params if p.grad is not None]
-    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
+def _open_out(cfg: TrainConfig, runtime: Any) -> tuple[TrainConfig, Any]:
+    """The run's configuration as every rank sees it (world size, output directory) and its
+    checked output directory; every rank checks before anyone writes."""
+    if runtime.comm is not None:  # the launcher decides the world size, not --workers
+        cfg = cfg.replace(workers=runtime.num_workers)
+    cfg = cfg.replace(out=runtime.broadcast_str(cfg.out or cfg.default_out()))
+    out = checkpoint.check_out_dir(cfg)
+    note = checkpoint.fresh_start_note(cfg, out)
+    runtime.barrier()
+    if runtime.is_main:  # no rank saves before the first step's collectives
+        checkpoint.remove_stale_temps(out)
+    if note:  # --resume auto with nothing to resume: a fresh run (a run that never checkpointed restarts)
+        cfg = cfg.replace(resume=False, resume_auto=False)
+        if runtime.is_main:
+            print(note, file=sys.stderr, flush=True)
+            truncate_metrics(out / "metrics.jsonl", 0)
+    return cfg, out
+
+
+def _record(progress: dict[str, Any], sums: list[float], n: int, lr: float, stats: StepStats, opt_s: float,
+            grad_norm: float, monitor: HostMonitor | None) -> StepRecord:
+    """The step's line of ``metrics.jsonl`` (losses: mean over the ``n`` workers), with the host's
+    load and whether the step was contended."""
+    loss, mlm, nsp, _, _, bad = sums
+    load, contended = monitor.step([stats.compute_s]) if monitor is not None else (0.0, False)
+    return StepRecord(
+        step=progress["step"], loss=loss / n, mlm_loss=mlm / n, nsp_loss=nsp / n, lr=lr, tokens=progress["tokens"],
+        samples=progress["samples"], step_s=stats.step_s + opt_s, wall_s=progress["wall_s"],
+        compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
+        bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
+        clock=stats.clock, host_s=progress["host_s"], bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent),
+        skipped=bool(bad), syncs=stats.syncs, host_load=load, contended=contended)
+
+
+def _open_log(cfg: TrainConfig, out: Any, state: checkpoint.RunState, runtime: Any, data: Any,
+              precision: Precision) -> MetricsLog:
+    """Resume (everything back to the newest checkpoint; later metrics dropped), the run's
+    ``config.toml``, the initial held-out loss, sim's work clock (:meth:`Runtime.calibrate_clock`),
+    and the metrics log with its live-curve sinks."""
+    checkpoint.make_out_dir(out)
+    if cfg.resume and checkpoint.restore_run(out, state, runtime) and runtime.is_main:
+        truncate_metrics(out / "metrics.jsonl", state.progress["step"])
+    if runtime.is_main:
+        write_toml(cfg, out / "config.toml")
+        if state.progress["step"] == 0 and cfg.eval_batches:
+            state.progress["initial_eval_loss"] = evaluate(state.model, data, cfg, precision,
+                                                           runtime.device).get("eval_loss")
+    sinks = open_sinks(parse_log(cfg.log), out, cfg.to_dict(), state.progress["step"]) if runtime.is_main else []
+    batch = data.batch("train", step=0, worker=0, num_workers=runtime.num_workers, batch_size=cfg.batch_size,
+                       seed=cfg.seed, mask_prob=cfg.mask_prob)
+    runtime.calibrate_clock(state.model, to_device(batch, runtime.device), precision.autocast)
+    if runtime.monitor is not None:
+        runtime.monitor.start()  # the loop starts now: set-up is no step's load
+    return MetricsLog(out / "metrics.jsonl", enabled=runtime.is_main, sinks=sinks)
+
+
+def _evaluate_into(rec: StepRecord, cfg: TrainConfig, state: checkpoint.RunState, runtime: Any, data: Any,
+                   precision: Precision, last: int) -> None:
+    """The held-out loss into the step's record, when due (rank 0)."""
+    step = rec.step
+    if runtime.is_main and cfg.eval_batches and (step == last or (cfg.eval_every and step % cfg.eval_every == 0)):
+        ev = evaluate(state.model, data, cfg, precision, runtime.device)
+        for k in EVAL_FIELDS:
+            setattr(rec, k, ev.get(k))
+
+
+def _check_skips(cfg: TrainConfig, progress: dict[str, Any]) -> None:
+    """Stop after ``--max-skips`` steps in a row skipped for inf/NaN gradients."""
+    if cfg.max_skips and progress["skips_in_a_row"] >= cfg.max_skips:
+        step = progress["step"]
+        raise TrainingError(f"steps {step - cfg.max_skips + 1}-{step}: {cfg.max_skips} steps in a row "
+                            "skipped for inf/NaN gradients on some rank (see 'skipped' in metrics.jsonl); "
+                            "lower --lr, check the data, or raise --max-skips")
+
+
+def _checkpoint_due(cfg: TrainConfig, step: int) -> bool:
+    """Every ``--checkpoint-every`` steps and after the last (0: none), and at ``--stop-at``."""
+    every = cfg.checkpoint_every
+    return bool(every and (step % every == 0 or step == cfg.steps)) or step == cfg.stop_at
+
+
+def _summary(cfg: TrainConfig, out: Any, sync: Synchronizer, data: Any, n_params: int, progress: dict[str, Any],
+             runtime: Any, last_schedule: tuple[int, StepStats, list[Any]] | None) -> dict[str, Any]:
+    """``summary.json`` (from the whole metrics file, so resumed runs are covered) and ``schedule.json``."""
+    info = {"model": cfg.model, "compressor": cfg.compressor, "sync": str(cfg.sync_spec), "exchange": sync.exchange,
+            "spec": sync.spec, "hierarchical": cfg.hierarchical, "backend": cfg.backend,
+            "workers": runtime.num_workers, "bandwidth": cfg.bandwidth, "latency": cfg.latency,
+            "optimizer": cfg.optimizer, "precision": cfg.precision, "batch_size": cfg.batch_size,
+            "accumulation": cfg.accumulation, "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed,
+            "params": n_params, "initial_eval_loss": progress["initial_eval_loss"], "out": str(out),
+            "threads": runtime.threads, "threads_reason": runtime.threads_reason,
+            "compute_clock": "cpu" if runtime.world is not None else "wall", "work_scale": runtime.work_scale}
+    # what a model that ignores context gets (gradzip.data.pretrain.UnigramReference)
+    ref = data.unigram_reference()
+    info.update(unigram_entropy=ref.entropy, top_token_rate=ref.top_rate, context_free_mlm_loss=ref.floor,
+                context_free_mlm_acc=ref.floor_acc)
+    none_bytes = allreduce_bytes(4 * n_params, runtime.num_workers)  # fp32 ring allreduce of every gradient
+    summary = summarize(read_metrics(out / "metrics.jsonl"), info, none_bytes)
+    write_summary(out, summary)
+    if last_schedule is not None and last_schedule[2]:
+        write_schedule(out, last_schedule[0], last_schedule[1].clock, last_schedule[1].step_s, last_schedule[2])
+    return summary
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -96,173 +198,72 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     runtime = create_runtime(cfg)
     log: MetricsLog | None = None
     try:
-        if runtime.comm is not None:  # the launcher decides the world size, not --workers
-            cfg = cfg.replace(workers=runtime.num_workers)
-        cfg = cfg.replace(out=runtime.broadcast_str(cfg.out or cfg.default_out()))
-        out = checkpoint.check_out_dir(cfg)  # every rank checks before anyone writes
-        runtime.barrier()
-        if runtime.is_main:  # no rank saves before the first step's collectives
-            checkpoint.remove_stale_temps(out)
+        cfg, out = _open_out(cfg, runtime)
 
         # -- data and model (same seed: same initial weights on every rank) --------------------
         seed_everything(cfg.seed)
         data = build_data(cfg, runtime)
-        model_cfg = bert_config(cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len),
-                                hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)
-        model = BertForPreTraining(model_cfg).to(runtime.device)
+        model = BertForPreTraining(bert_config(
+            cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len),
+            hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)).to(runtime.device)
         params = [p for p in model.parameters() if p.requires_grad]
 
-        # -- engine (per-step exchange, or DiLoCo's rare syncs), optimizer, LR schedule, precision,
-        # per-worker RNG streams ---------------------------------------------------------------
-        sync = cfg.sync_spec
+        # -- optimizer, synchroniser (per-step exchange, or DiLoCo's rare syncs), LR schedule,
+        # precision, per-worker RNG streams; then resume and the outputs --------------------------
         optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay, cfg.freeze_steps, cfg.momentum)
-        if sync.outer:  # the inner optimizer steps on local gradients; DiLoCo syncs every H steps
-            engine: Any = DiLoCo(model, optimizer, outer_sgd(model, sync), runtime.target, sync.every, cfg.spec,
-                                 sync.fragments, sync.delay, sync.alpha, bucket_cap_mb=cfg.bucket_cap_mb,
-                                 min_compress_numel=cfg.min_compress_numel, hierarchical=cfg.hierarchical,
-                                 intra_dtype=cfg.intra_dtype, agree=cfg.agreement(), hook=False)
-        else:
-            engine = attach(model, cfg.spec, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
-                            min_compress_numel=cfg.min_compress_numel, agree=cfg.agreement(),
-                            hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
-        configure = getattr(optimizer, "configure", None)  # 1-bit Adam/LAMB: what the engine exchanges
+        sync = make_synchronizer(cfg, model, optimizer, runtime)
         schedule = WarmupDecay(optimizer, cfg.lr, cfg.warmup_steps, cfg.steps)
         precision = Precision(cfg.precision, runtime.device)
-        rngs = WorkerRNG(cfg.seed, list(engine.worker_ids), runtime.device)
+        stepper = Stepper(optimizer, params, precision, cfg.clip)
+        rngs = WorkerRNG(cfg.seed, list(sync.worker_ids), runtime.device)
         progress: dict[str, Any] = {"step": 0, "tokens": 0, "samples": 0, "wall_s": 0.0, "host_s": 0.0,
                                     "initial_eval_loss": None, "skips_in_a_row": 0}
-        state = checkpoint.RunState(model, optimizer, schedule, precision, engine, rngs, progress, cfg.to_dict())
+        state = checkpoint.RunState(model, optimizer, schedule, precision, sync, rngs, progress, cfg.to_dict())
+        log = _open_log(cfg, out, state, runtime, data, precision)
 
-        # -- resume: everything back to the newest checkpoint; drop later metrics --------------
-        checkpoint.make_out_dir(out)
-        metrics_path = out / "metrics.jsonl"
-        if cfg.resume and checkpoint.restore_run(out, state, runtime) and runtime.is_main:
-            truncate_metrics(metrics_path, progress["step"])
-        if runtime.is_main:
-            write_toml(cfg, out / "config.toml")
-            if progress["step"] == 0 and cfg.eval_batches:
-                progress["initial_eval_loss"] = evaluate(model, data, cfg, precision, runtime.device).get("eval_loss")
-        sinks = open_sinks(parse_log(cfg.log), out, cfg.to_dict(), progress["step"]) if runtime.is_main else []
-        log = MetricsLog(metrics_path, enabled=runtime.is_main, sinks=sinks)
-
-        # -- the loop ----------------------------------------------------------------------------
+        # -- the loop: every worker's batches and backward, the synchronisation, the skip decision
         last, n = cfg.stop_at or cfg.steps, runtime.num_workers
         bar = Progress(cfg.progress and runtime.is_main, total=last, initial=progress["step"])
         t_start = time.perf_counter() - progress["host_s"]
-        model.train()
         last_schedule: tuple[int, StepStats, list[Any]] | None = None
+        model.train()
         while progress["step"] < last:
-            step = progress["step"]
-            lr = schedule.lr
+            step, lr = progress["step"], schedule.lr
             losses = torch.zeros(3, dtype=torch.float64, device=runtime.device)  # loss, mlm, nsp summed over workers
-            momentum = configure is not None and optimizer.frozen  # p.grad will hold the averaged momentum
-            if configure is not None:
-                configure(engine)
             tokens = samples = 0
-            if sync.outer:  # each worker: its batches, then its own inner step (skipped alone if not finite)
-                t_inner = time.perf_counter()
-                norms, bad = [], 0
-                for w in engine.worker_ids:
-                    faults.before_step(step + 1, w)
-                    with engine.worker(w):  # sim: worker w's replica and inner optimizer state
-                        optimizer.zero_grad(set_to_none=True)
-                        with rngs.use(w), faults.gradients(model, step + 1, w):
-                            t, s = _batches(model, data, cfg, precision, runtime, step, w, losses)
-                        tokens, samples = tokens + t, samples + s
-                        if _finite(params):
-                            norms.append(precision.step(optimizer, params, cfg.clip))
-                        else:
-                            precision.skip()
-                            bad += 1
-                compute = (time.perf_counter() - t_inner) / len(engine.worker_ids)
-                synced = engine.after_inner_step(compute)  # sends/applies the fragments due now
-                stats = StepStats(compute_s=compute, compress_s=synced.compress_s, comm_s=synced.exposed_s,
-                                  bytes_sent=synced.bytes_sent, bytes_recv=synced.bytes_recv,
-                                  step_s=compute + synced.compress_s + synced.exposed_s,
-                                  clock="modelled" if runtime.comm is None else runtime.comm.clock,
-                                  link_s=synced.link_s, intra_bytes_sent=synced.intra_bytes_sent)
-                loss, mlm, nsp, tokens, samples, bad = runtime.sum_over_ranks([*losses.tolist(), tokens, samples, bad])
-                grad_norm = sum(norms) / len(norms) if norms else float("nan")
-                progress["skips_in_a_row"] = progress.get("skips_in_a_row", 0) + 1 if bad else 0
-                t_opt = time.perf_counter()
-            else:
-                for w in engine.worker_ids:
-                    faults.before_step(step + 1, w)
-                    with rngs.use(w), engine.worker(w), faults.gradients(model, step + 1, w):
-                        # worker w: its dropout stream, its compressor state
-                        t, s = _batches(model, data, cfg, precision, runtime, step, w, losses, engine)
-                        tokens, samples = tokens + t, samples + s
-                stats = engine.finalize()  # averaged gradients are in p.grad now
-                last_schedule = (step + 1, stats, engine.last_schedule)
-
-                # -- metrics, and how many workers saw inf/NaN, summed over ranks (real backends: the
-                # flag rides on this reduction, which is not counted as exchange bytes; sim: local) --
-                loss, mlm, nsp, tokens, samples, bad = runtime.sum_over_ranks(
-                    [*losses.tolist(), tokens, samples, stats.nonfinite])
-                t_opt = time.perf_counter()
-                if bad:  # every rank takes this branch: skip the optimizer and the compressors' updates
-                    engine.skip_step()
-                    precision.skip()
-                    grad_norm = float("nan")
-                    progress["skips_in_a_row"] = progress.get("skips_in_a_row", 0) + 1
-                else:
-                    grad_norm = precision.step(optimizer, params, 0.0 if momentum else cfg.clip)
-                    progress["skips_in_a_row"] = 0
+            for w in sync.worker_ids:
+                faults.before_step(step + 1, w)
+                with rngs.use(w), sync.worker(w):  # worker w: its dropout stream, its state (sim)
+                    with faults.gradients(model, step + 1, w):
+                        t, s = _batches(model, data, cfg, precision, runtime, step, w, losses, sync)
+                    sync.after_backward(stepper)  # local-step modes: w's own optimizer step (or skip)
+                tokens, samples = tokens + t, samples + s
+            stats = sync.synchronize()  # the exchange: bytes, times, workers with inf/NaN
+            last_schedule = (step + 1, stats, sync.last_schedule)
+            # -- metrics, and how many workers saw inf/NaN, summed over ranks (real backends: the
+            # flag rides on this reduction, which is not counted as exchange bytes; sim: local) --
+            sums = runtime.sum_over_ranks([*losses.tolist(), tokens, samples, stats.nonfinite])
+            t_opt = runtime.work_time()
+            grad_norm = sync.commit(int(sums[5]), stepper)  # the optimizer steps, or every rank skips
+            progress["skips_in_a_row"] = progress.get("skips_in_a_row", 0) + 1 if sums[5] else 0
             schedule.step()
-            opt_s = time.perf_counter() - t_opt
-            progress["step"] = step = step + 1
-            progress["tokens"] += int(tokens)
-            progress["samples"] += int(samples)
-            progress["wall_s"] += stats.step_s + opt_s
-            progress["host_s"] = time.perf_counter() - t_start
-            rec = StepRecord(
-                step=step, loss=loss / n, mlm_loss=mlm / n, nsp_loss=nsp / n, lr=lr, tokens=progress["tokens"],
-                samples=progress["samples"], step_s=stats.step_s + opt_s, wall_s=progress["wall_s"],
-                compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
-                bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
-                clock=stats.clock, host_s=progress["host_s"],
-                bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent), skipped=bool(bad),
-                syncs=synced.applied if sync.outer else 1)
-            eval_now = step == last or (cfg.eval_every and step % cfg.eval_every == 0)
-            if runtime.is_main and cfg.eval_batches and eval_now:
-                ev = evaluate(model, data, cfg, precision, runtime.device)
-                for k in ("eval_loss", "eval_mlm_loss", "eval_nsp_loss", "eval_mlm_acc", "eval_nsp_acc"):
-                    setattr(rec, k, ev.get(k))
+            opt_s = runtime.work_time() - t_opt
+            progress.update(step=step + 1, tokens=progress["tokens"] + int(sums[3]),
+                            samples=progress["samples"] + int(sums[4]),
+                            wall_s=progress["wall_s"] + stats.step_s + opt_s, host_s=time.perf_counter() - t_start)
+            rec = _record(progress, sums, n, lr, stats, opt_s, grad_norm, runtime.monitor)
+            _evaluate_into(rec, cfg, state, runtime, data, precision, last)
             log.write(rec)
-            bar.update(rec, tokens)
-            if cfg.max_skips and progress["skips_in_a_row"] >= cfg.max_skips:
-                raise TrainingError(f"steps {step - cfg.max_skips + 1}-{step}: {cfg.max_skips} steps in a row "
-                                    "skipped for inf/NaN gradients on some rank (see 'skipped' in metrics.jsonl); "
-                                    "lower --lr, check the data, or raise --max-skips")
-            every = cfg.checkpoint_every
-            if (every and (step % every == 0 or step == cfg.steps)) or step == cfg.stop_at:
+            bar.update(rec, sums[3])
+            _check_skips(cfg, progress)
+            if _checkpoint_due(cfg, step + 1):
                 checkpoint.save_run(out, state, runtime, cfg.keep_checkpoints)
         bar.close()
         log.close()
         log = None
-
-        # -- summary (from the whole metrics file, so resumed runs are covered) ------------------
         if not runtime.is_main:
             return {"rank": runtime.rank}
-        info = {"model": cfg.model, "compressor": cfg.compressor, "sync": str(sync),
-                "exchange": engine.compressors[0].exchange if sync.outer else engine.compressor.exchange,
-                "spec": engine.spec,
-                "hierarchical": cfg.hierarchical,
-                "backend": cfg.backend, "workers": n,
-                "bandwidth": cfg.bandwidth, "latency": cfg.latency, "optimizer": cfg.optimizer,
-                "precision": cfg.precision, "batch_size": cfg.batch_size, "accumulation": cfg.accumulation,
-                "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed, "params": sum(p.numel() for p in params),
-                "initial_eval_loss": progress["initial_eval_loss"], "out": str(out)}
-        # what a model that ignores context gets (gradzip.data.pretrain.UnigramReference)
-        ref = data.unigram_reference()
-        info.update(unigram_entropy=ref.entropy, top_token_rate=ref.top_rate, context_free_mlm_loss=ref.floor,
-                    context_free_mlm_acc=ref.floor_acc)
-        none_bytes = allreduce_bytes(4 * info["params"], runtime.num_workers)  # fp32 ring allreduce of every gradient
-        summary = summarize(read_metrics(metrics_path), info, none_bytes)
-        write_summary(out, summary)
-        if last_schedule is not None and last_schedule[2]:
-            write_schedule(out, last_schedule[0], last_schedule[1].clock, last_schedule[1].step_s, last_schedule[2])
-        return summary
+        return _summary(cfg, out, sync, data, sum(p.numel() for p in params), progress, runtime, last_schedule)
     finally:
         if log is not None:  # an error: still flush and close the live-curve sinks
             log.close()

@@ -24,7 +24,12 @@ skipped        true when some rank's gradient had an inf or NaN: every rank skip
 syncs          exchanges completed this step: 1 with ``--sync step``; with ``diloco``/``localsgd``,
                the fragments applied (0 between syncs; a fragment sent with ``delay`` counts, with
                its bytes, at the step it is applied), so bytes per sync = total bytes / total syncs
-clock          "modelled" (``sim``: α–β network model) or "measured" (real backends)
+clock          "modelled" (``sim``: α–β network model; local work timed in CPU time) or "measured"
+               (real backends: wall time)
+host_load      cores other processes kept busy during this step (from ``/proc/stat``)
+contended      true when this step shared its cores: others left fewer free cores than the run's
+               threads, the process got under 60% of its usual CPU share, or its compute time was over
+               1.5x the fastest of the last 20 steps (:class:`gradzip.host.HostMonitor`)
 host_s         real seconds since the run started, cumulative over resumes
 eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``), masked-token
                accuracy ``eval_mlm_acc`` (top-1 over the masked positions) and ``eval_nsp_acc``
@@ -80,6 +85,8 @@ class StepRecord:
     bytes_inter: int = 0
     skipped: bool = False
     syncs: int = 1
+    host_load: float = 0.0
+    contended: bool = False
     eval_loss: float | None = None
     eval_mlm_loss: float | None = None
     eval_nsp_loss: float | None = None
@@ -184,7 +191,15 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         "opt_s": mean("opt_s"),
         "clock": last.get("clock"),
         "skipped_steps": sum(1 for r in records if r.get("skipped")),
+        "host_load": mean("host_load"),
+        "host_load_max": max((r.get("host_load") or 0.0 for r in records), default=0.0),
+        "contended_steps": sum(1 for r in records if r.get("contended")),
     }
+    summary["contended"] = bool(summary["contended_steps"])
+    if summary["contended"]:
+        summary["warning"] = (f"{summary['contended_steps']} of {n} steps shared their cores with other processes "
+                              f"(host load up to {summary['host_load_max']:.1f} cores); their measured times "
+                              "may be inflated (see 'contended' in metrics.jsonl)")
     summary.update(info)
     return _clean(summary)
 

@@ -1,22 +1,24 @@
-"""The progress bar of ``gradzip train`` (rank 0 only)."""
+"""The progress output of ``gradzip train`` (rank 0 only): a bar on a terminal, plain lines in logs."""
 
 from __future__ import annotations
 
 import os
+from typing import IO
 
-from tqdm.auto import tqdm
-
+from gradzip.data.progress import progress_bar
 from gradzip.training.metrics import StepRecord
 
 
 class Progress:
-    """tqdm bar on rank 0: loss, tokens/s and MB sent per step (nothing elsewhere, or with
-    ``--no-progress`` or ``GRADZIP_NO_PROGRESS=1``)."""
+    """Step/total, loss, tokens/s and MB sent per step on rank 0: a tqdm bar when stderr is a
+    terminal, else a plain line every 10% of the steps or 30 s (a Slurm log, a sweep's ``logs/``).
+    Nothing elsewhere, or with ``--no-progress`` or ``GRADZIP_NO_PROGRESS=1``."""
 
-    def __init__(self, enabled: bool, total: int, initial: int) -> None:
+    def __init__(self, enabled: bool, total: int, initial: int, file: IO[str] | None = None) -> None:
         self.bar = None
         if enabled and not os.environ.get("GRADZIP_NO_PROGRESS"):
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="train")
+            self.bar = progress_bar(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="train",
+                                    file=file)
 
     def update(self, rec: StepRecord, step_tokens: float) -> None:
         if self.bar is None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import statistics
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,8 +16,9 @@ from typing import Any
 import torch
 
 from gradzip.comm import init_communicator
-from gradzip.comm.sim import SimWorld
+from gradzip.comm.sim import SimWorld, set_work_scale
 from gradzip.data import PretrainData
+from gradzip.host import HostMonitor, busy_elsewhere, choose_threads, usable_cores
 from gradzip.models import bert_config
 from gradzip.training.config import TrainConfig
 
@@ -32,6 +36,15 @@ class Runtime:
     num_workers: int  # workers in the run: sim: N virtual; real: the world size
     world: Any = None  # SimWorld (sim)
     comm: Any = None  # Communicator (real backends)
+    threads: int = 0  # torch's intra-op threads (0: not chosen here)
+    threads_reason: str = ""
+    work_scale: float = 1.0  # sim: the threads' CPU overhead its work clock divides out (calibrate_clock)
+    monitor: HostMonitor | None = None  # contention, step by step
+
+    @property
+    def work_time(self) -> Any:
+        """The clock of local work: wall time, or sim's CPU time (``Communicator.work_time``)."""
+        return (self.world.comms[0] if self.world is not None else self.comm).work_time
 
     @property
     def is_main(self) -> bool:
@@ -72,6 +85,37 @@ class Runtime:
     def close(self) -> None:
         if self.comm is not None:
             self.comm.close()
+        if self.world is not None:
+            set_work_scale(1.0)
+
+    def calibrate_clock(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast: Any) -> float:
+        """sim on more than one thread: the CPU time of a forward and backward of ``batch`` on this
+        run's threads over its CPU time on one thread, measured on a copy of ``model`` (median of 2,
+        after a warm-up; the RNG streams are left as they were). sim's work clock divides by it
+        (:func:`gradzip.comm.sim.set_work_scale`), so that modelled times are one-thread CPU times
+        whether torch got one thread (a busy machine) or all cores (a quiet one). Returns the factor."""
+        if self.world is None or self.threads <= 1:
+            return 1.0
+        copy_ = copy.deepcopy(model)
+        ratios = []
+        with torch.random.fork_rng(devices=[]):
+            for rep in range(3):
+                cpu = {}
+                for t in (1, self.threads):
+                    torch.set_num_threads(t)
+                    copy_.zero_grad(set_to_none=True)
+                    t0 = time.process_time()
+                    with autocast():
+                        loss = copy_(**batch).loss
+                    loss.backward()
+                    cpu[t] = time.process_time() - t0
+                if rep:  # the first round warms the caches up
+                    ratios.append(cpu[self.threads] / max(cpu[1], 1e-9))
+        torch.set_num_threads(self.threads)
+        factor = min(max(1.0, statistics.median(ratios)), float(self.threads))
+        set_work_scale(factor)
+        self.work_scale = factor
+        return factor
 
 
 @contextlib.contextmanager
@@ -91,7 +135,23 @@ def uncounted(comm: Any) -> Iterator[None]:
 
 def create_runtime(cfg: TrainConfig) -> Runtime:
     """sim: a SimWorld of ``cfg.workers``. Real backends: this rank's communicator, from the
-    launcher's environment (world size from there, not from ``--workers``)."""
+    launcher's environment (world size from there, not from ``--workers``). Torch gets the
+    intra-op threads :func:`gradzip.host.choose_threads` gives, and a :class:`HostMonitor` watches
+    for contention; rank 0 warns in one line when other processes already keep cores busy."""
+    rt = _create_runtime(cfg)
+    busy = 0.0 if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() else busy_elsewhere()
+    rt.threads, rt.threads_reason = choose_threads(busy)
+    torch.set_num_threads(rt.threads)
+    rt.monitor = HostMonitor(rt.threads)
+    if rt.is_main and busy >= 0.5:
+        clock = ("sim's modelled times count CPU time, so they stay comparable" if rt.world is not None
+                 else "measured times may be inflated")
+        sys.stderr.write(f"gradzip train: warning: other processes keep {busy:.1f} of {usable_cores()} cores busy; "
+                         f"torch uses {rt.threads} thread{'s' if rt.threads != 1 else ''} ({clock})\n")
+    return rt
+
+
+def _create_runtime(cfg: TrainConfig) -> Runtime:
     if cfg.backend == "sim":
         world = SimWorld(cfg.workers, cfg.bandwidth, cfg.latency, timeout=cfg.timeout,
                          ranks_per_node=cfg.ranks_per_node or 1, intra_bandwidth=cfg.intra_bandwidth,

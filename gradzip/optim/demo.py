@@ -16,9 +16,9 @@ Steps 1–6 are the ``demo`` compressor (:mod:`gradzip.compress.demo`); this opt
 scaling of step 1 and step 7. Two modes:
 
 - inside ``gradzip train --optimizer demo`` (``comm=None``): the engine runs the ``demo``
-  compressor; :meth:`DeMo.configure` makes it scale each bucket's local gradient by the current lr
-  (``engine.transform``), so p.grad arrives as the decoded mean and :meth:`DeMo.step` applies step
-  7. ``frozen`` is True, so the loop does not clip p.grad (clipping would not change a sign).
+  compressor; :meth:`DeMo.exchange_plan` makes it scale each bucket's local gradient by the current lr
+  (the plan's ``transform``), so p.grad arrives as the decoded mean and :meth:`DeMo.step` applies step
+  7. ``grad_is_update`` is True, so the loop does not clip p.grad (clipping would not change a sign).
   Tensors the engine sends uncompressed (below ``--min-compress-numel``) arrive as the exact mean
   of lr·g: DeMo with every coefficient sent (δ is then 0 after each step), i.e. signSGD for them.
   ``--min-compress-numel 0`` sends every tensor through the DCT, as the paper does. The
@@ -41,9 +41,9 @@ import torch
 from torch import Tensor
 
 from gradzip.comm.base import Communicator
-from gradzip.compress.demo import DeMo as DeMoCompressor
-from gradzip.compress.demo import DeMoConfig
+from gradzip.compress.demo import DeMoCompressor, DeMoConfig
 from gradzip.engine.exchange import Exchange
+from gradzip.engine.synchronizer import ExchangePlan
 
 
 class DeMo(torch.optim.Optimizer):
@@ -65,11 +65,21 @@ class DeMo(torch.optim.Optimizer):
         """Always True: p.grad holds what the sign step takes (``gradzip train`` then skips clipping)."""
         return True
 
-    def configure(self, engine: Any) -> None:
-        """Before each step of ``gradzip train``: the engine compresses lr·(local gradient)."""
-        engine.compressing = True
-        engine.transform = self._scale_by_lr
+    @property
+    def grad_is_update(self) -> bool:
+        """Always True: p.grad holds what the sign step takes, so it is not clipped."""
+        return True
+
+    def exchange_plan(self) -> ExchangePlan:
+        """Before each step of ``gradzip train``: the engine compresses lr·(local gradient)
+        (:class:`gradzip.engine.synchronizer.ShapesExchange`)."""
         self._lr_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        return ExchangePlan(compress=True, transform=self._scale_by_lr)
+
+    def configure(self, engine: Any) -> None:
+        """Set ``engine`` up for the next step by hand (``engine.bind_optimizer(opt)`` does it at
+        every step)."""
+        engine.set_plan(self.exchange_plan())
 
     @torch.no_grad()
     def _scale_by_lr(self, bucket: Any, buf: Tensor) -> None:

@@ -5,10 +5,10 @@ exchange scheme of gradzip's engine (``gradzip train`` uses ``onebit:exchange=tw
 papers' compressed allreduce with error feedback on both sides). Two stages:
 
 1. **Warm-up**, steps 1..``freeze_step``: plain Adam (LAMB), bias-corrected, on the gradient
-   averaged *uncompressed* (``engine.compressing = False``).
+   averaged *uncompressed* (the engine's :class:`~gradzip.engine.synchronizer.ExchangePlan`).
 2. **Compression**, after ``freeze_step``: the variance v stops changing (it is frozen, with its
    bias correction, at the end of warm-up). Each rank turns its local gradient g into its local
-   momentum m_i = β1·m + (1−β1)·g inside the engine (``engine.transform``, before compression);
+   momentum m_i = β1·m + (1−β1)·g inside the engine (the plan's ``transform``, before compression);
    the engine exchanges m_i compressed, with error feedback, and delivers the average in
    ``p.grad``; the optimizer adopts it as its momentum m (the same on every rank) and steps with
    the frozen v: u = m̂ / (√v̂_frozen + ε) + λ·w.
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.training.optim import adam_state, trust_ratio
+from gradzip.engine.synchronizer import ExchangePlan
+from gradzip.optim.lamb import adam_state, trust_ratio
 
 FACTOR_MIN, FACTOR_MAX = 0.5, 4.0
 
@@ -56,11 +57,20 @@ class OneBitAdam(torch.optim.Optimizer):
         """True once warm-up is over: the next step exchanges and adopts the momentum."""
         return self.param_groups[0]["steps_done"] >= self.freeze_step
 
+    @property
+    def grad_is_update(self) -> bool:
+        """After warm-up ``p.grad`` holds the averaged momentum, which is not clipped."""
+        return self.frozen
+
+    def exchange_plan(self) -> ExchangePlan:
+        """What the engine exchanges next step: uncompressed gradients in warm-up, the compressed
+        local momentum afterwards (:class:`gradzip.engine.synchronizer.ShapesExchange`)."""
+        return ExchangePlan(compress=self.frozen, transform=self._local_momentum if self.frozen else None)
+
     def configure(self, engine: Any) -> None:
-        """Set the engine up for the next step: uncompressed gradients in warm-up, the local
-        momentum compressed afterwards."""
-        engine.compressing = self.frozen
-        engine.transform = self._local_momentum if self.frozen else None
+        """Set ``engine`` up for the next step by hand (``engine.bind_optimizer(opt)`` does it at
+        every step)."""
+        engine.set_plan(self.exchange_plan())
 
     @torch.no_grad()
     def _local_momentum(self, bucket: Any, buf: Tensor) -> None:

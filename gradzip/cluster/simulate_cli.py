@@ -1,0 +1,244 @@
+"""``gradzip simulate``'s command line: its flags, the encode costs from a ``gradzip bench compress
+--json`` file, and the table it prints. The cost model itself, and its description (the epilog
+of ``gradzip simulate --help``), is :mod:`gradzip.cluster.simulate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from gradzip.cluster import simulate
+from gradzip.cluster.network import ALGORITHMS, Cluster, CodecCost
+from gradzip.cluster.simulate import DTYPES, Prediction, Workload, parse_sync, predict
+from gradzip.compress.registry import create
+from gradzip.errors import GradzipError
+from gradzip.models import MODEL_SIZES
+from gradzip.units import parse_bandwidth, parse_latency
+
+
+# ------------------------------------------------------------------------------ encode costs
+def _param_set(spec: str) -> tuple[str, frozenset[str]]:
+    """(name, {"k=v", ...}) of a spec, ignoring ``ef`` (bench rows may repeat it)."""
+    name, _, rest = spec.strip().lower().partition(":")
+    return name, frozenset(p.strip() for p in rest.split(",") if p.strip() and not p.strip().startswith("ef="))
+
+
+def codec_from_bench(path: str, spec: str) -> CodecCost:
+    """Per-element costs of ``spec`` from a ``gradzip bench compress --json`` file.
+
+    Rows: ``{"name", "spec", "numel", "time_s"}`` (compress + decompress of one payload), or with
+    separate ``compress_s``/``decompress_s``. The row with the same name and parameters (``ef``
+    ignored) is used, else the first row with the same name. encode = time / numel; aggregate
+    (per other rank, allgather compressors) = decompress time / numel, or half the round trip
+    when the row does not separate them.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GradzipError(f"--encode-cost file {path} does not exist "
+                           "(write it with `gradzip bench compress --json > FILE.json`)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GradzipError(f"--encode-cost file {path} is not JSON: {e}") from None
+    except OSError as e:  # a directory, unreadable
+        raise GradzipError(f"--encode-cost {path}: cannot read it ({e.strerror or type(e).__name__}); give the JSON "
+                           "file of `gradzip bench compress --json`") from None
+    rows = data.get("results", []) if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise GradzipError(f"--encode-cost file {path}: expected a list of rows")
+    comp = create(spec)
+    want = _param_set(getattr(comp, "inner", comp).spec)
+    rows = [r for r in rows if isinstance(r, dict) and r.get("numel") and "error" not in r]
+    named = [r for r in rows if _param_set(str(r.get("spec") or r.get("name") or ""))[0] == want[0]]
+    exact = [r for r in named if _param_set(str(r.get("spec") or r.get("name")))[1] == want[1]]
+    for r in exact or named:
+        name = r.get("spec") or r.get("name")
+        numel, where = _row_number(r, "numel", path, name), f"{path} ({name}, {r['numel']} elements)"
+        if numel <= 0:
+            raise GradzipError(f"--encode-cost file {path}: row {name}: numel must be positive, got {r['numel']!r}")
+        if r.get("compress_s") is not None and r.get("decompress_s") is not None:
+            enc, dec = _row_number(r, "compress_s", path, name), _row_number(r, "decompress_s", path, name)
+            return CodecCost((enc + dec) / numel, dec / numel, where)
+        key = "time_s" if "time_s" in r else "seconds"
+        if r.get(key) is not None:
+            total = _row_number(r, key, path, name)
+            return CodecCost(total / numel, total / 2 / numel, where)
+    raise GradzipError(f"--encode-cost file {path} has no timing for {want[0]}; "
+                       f"run `gradzip bench compress --json --only {want[0]}`")
+
+
+def _row_number(row: dict, key: str, path: str, name: object) -> float:
+    """``row[key]`` of a bench JSON row as a finite number, or a one-line error naming the file and row."""
+    v = row[key]
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        x = float(v)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x):
+        raise GradzipError(f"--encode-cost file {path}: row {name}: {key} must be a number, got {v!r} "
+                           "(write the file with `gradzip bench compress --json > FILE.json`)")
+    return x
+
+
+def codec_for(spec: str, encode: str | None, aggregate: str | None) -> CodecCost:
+    """The codec cost of ``spec`` from the flags (``none``: zero, it sends the gradient itself)."""
+    is_file = encode is not None and (Path(encode).suffix == ".json" or Path(encode).exists())
+    enc = None if encode is None or is_file else _nonneg(encode, "--encode-cost")
+    agg = None if aggregate is None else _nonneg(aggregate, "--aggregate-cost")
+    comp = create(spec)
+    if comp.identity:
+        return CodecCost(0.0, 0.0, "none: nothing to encode")
+    if is_file:
+        base = codec_from_bench(str(encode), spec)
+    elif enc is not None:
+        base = CodecCost(enc, 0.0, f"--encode-cost {encode} s/element")
+    else:
+        base = CodecCost()
+    if agg is not None:
+        base = CodecCost(base.encode_s, agg, base.source + f", --aggregate-cost {aggregate}")
+    return base
+
+
+def _nonneg(text: str, flag: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise GradzipError(f"{flag} takes a JSON file from `gradzip bench compress --json` or seconds per "
+                           f"element, got {text!r}") from None
+    if v < 0 or not math.isfinite(v):
+        raise GradzipError(f"{flag} must be a finite number >= 0, got {text!r}")
+    return v
+
+
+# ------------------------------------------------------------------------------ CLI
+EPILOG = (simulate.__doc__ or "").split("\n\n", 1)[1] + """
+Example (the projection in docs/simulator.md):
+  gradzip simulate --model bert-large --nodes 8 --gpus-per-node 4 --inter-bandwidth 10gbit \\
+      --intra-bandwidth 100gbit --tokens-per-second 5600 --batch-size 32 --seq-len 128 \\
+      --compressor none --compressor fp16 --compressor topk:ratio=0.01,ef=true --tokens 16.75e9 --epochs 40
+DiLoCo beside per-step exchange (every --sync with every --compressor, one row each):
+  gradzip simulate --model bert-large --nodes 4 --gpus-per-node 1 --tokens-per-second 5600 \\
+      --compressor none --compressor fp16 --sync step --sync diloco:every=100
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    a = parser.add_argument
+    a("--model", default="bert-large", help=f"one of {', '.join(MODEL_SIZES)} (default bert-large)")
+    a("--vocab-size", type=int, default=None, help="override the model's vocabulary size")
+    a("--nodes", type=int, default=8, help="number of nodes (default 8)")
+    a("--gpus-per-node", type=int, default=4, help="GPUs (workers) per node (default 4)")
+    a("--inter-bandwidth", default="10gbit", help="network bandwidth per node (NIC), e.g. 10gbit (default)")
+    a("--intra-bandwidth", default="100gbit", help="GPU-to-GPU bandwidth inside a node (default 100gbit)")
+    a("--latency", default="50us", help="α per message between nodes (default 50us)")
+    a("--intra-latency", default="5us", help="α per message inside a node (default 5us)")
+    a("--algorithm", default="hierarchical", choices=ALGORITHMS,
+      help="the collectives' algorithm, NCCL-style hierarchical or flat ring (default hierarchical)")
+    a("--hierarchical", action="store_true",
+      help="the engine's hierarchical exchange (gradzip train --hierarchical): reduce in full precision inside "
+           "each node, compress only between nodes")
+    a("--link-efficiency", type=float, default=1.0,
+      help="fraction of the bandwidth that carries payload (default 1; TCP over Ethernet MTU 1500: 0.956)")
+    a("--tokens-per-second", type=float, required=True, help="one GPU's training throughput alone (tokens/s)")
+    a("--batch-size", type=int, default=32, help="sequences per GPU per micro-batch (default 32)")
+    a("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    a("--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    a("--compressor", action="append", default=None, metavar="SPEC",
+      help="compressor spec; repeat for a table (default none)")
+    a("--overlap", type=float, default=0.0,
+      help="fraction of the last backward that hides communication, 0..1 (default 0)")
+    a("--backward-fraction", type=float, default=2 / 3, help="backward share of compute time (default 2/3)")
+    a("--bucket-cap-mb", type=float, default=25.0, help="engine bucket size in MiB (default 25)")
+    a("--min-compress-numel", type=int, default=1024, help="smaller tensors are sent uncompressed (default 1024)")
+    a("--grad-dtype", default="fp32", choices=list(DTYPES), help="gradient dtype (default fp32)")
+    a("--encode-cost", default=None, metavar="FILE.json|S",
+      help="`gradzip bench compress --json` output, or seconds per element for encode+decode (default 0)")
+    a("--aggregate-cost", default=None, metavar="S",
+      help="seconds per element per other rank to decode+sum allgathered payloads (default: from the JSON, else 0)")
+    a("--tokens", type=float, default=None, help="tokens per epoch, for the days-to-train column (e.g. 16.75e9)")
+    a("--epochs", type=float, default=1.0, help="epochs over --tokens (default 1)")
+    a("--sync", action="append", default=None, metavar="SPEC",
+      help="how often workers synchronise: step (default), diloco:every=H[,fragments=P,delay=T,...] or "
+           "localsgd:every=H; repeat for a table (every --sync with every --compressor)")
+    a("--memory-bandwidth", default=None, metavar="BW",
+      help="GPU memory bandwidth (e.g. 320GB/s) for the outer step's local work of diloco/localsgd "
+           "(default: not charged)")
+    a("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _build(args: argparse.Namespace) -> tuple[Workload, Cluster]:
+    if args.model not in MODEL_SIZES:
+        raise GradzipError(f"unknown model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise GradzipError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.tokens is not None and not args.tokens > 0 or not args.epochs > 0:
+        raise GradzipError("--tokens and --epochs must be positive")
+    work = Workload(args.model, args.tokens_per_second, args.batch_size, args.seq_len, args.accumulation,
+                    args.overlap, args.backward_fraction, args.bucket_cap_mb, args.min_compress_numel,
+                    args.grad_dtype, args.vocab_size, args.hierarchical)
+    cl = Cluster(args.nodes, args.gpus_per_node, _bandwidth(args.inter_bandwidth, "--inter-bandwidth"),
+                 _bandwidth(args.intra_bandwidth, "--intra-bandwidth"), parse_latency(args.latency),
+                 parse_latency(args.intra_latency), args.algorithm, args.link_efficiency)
+    return work, cl
+
+
+def _bandwidth(text: str, flag: str) -> float:
+    if str(text).strip().startswith("-"):
+        raise GradzipError(f"{flag} must be positive, got {text!r} (e.g. 10gbit)")
+    try:
+        return parse_bandwidth(text)
+    except GradzipError as e:
+        raise GradzipError(f"{flag}: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    work, cl = _build(args)
+    specs = args.compressor or ["none"]
+    syncs = [(text.strip(), parse_sync(text)) for text in args.sync or ["step"]]
+    memory = None if args.memory_bandwidth is None else _bandwidth(args.memory_bandwidth, "--memory-bandwidth")
+    codecs = {spec: codec_for(spec, args.encode_cost, args.aggregate_cost) for spec in specs}
+    rows = [(spec, text, predict(spec, work, cl, codecs[spec], args.tokens, args.epochs, sync, memory))
+            for text, sync in syncs for spec in specs]  # every --sync with every --compressor
+    if args.json:
+        json.dump({"cluster": asdict(cl), "workload": asdict(work),
+                   "results": [dict(asdict(p), codec=asdict(codecs[spec])) for spec, _, p in rows]},
+                  sys.stdout, indent=1)
+        print()
+        return 0
+    print_table(args, work, cl, rows)
+    return 0
+
+
+def print_table(args: argparse.Namespace, work: Workload, cl: Cluster,
+                rows: list[tuple[str, str, Prediction]]) -> None:
+    """The table of ``gradzip simulate``: one row per (compressor, --sync), under a line that says
+    what was modelled."""
+    p0, with_sync = rows[0][2], args.sync is not None  # without --sync: the table as before --sync existed
+    print(f"{work.model}: {p0.params / 1e6:.1f} M parameters; {cl.nodes} nodes x {cl.gpus_per_node} GPUs = "
+          f"{cl.workers} workers; {args.inter_bandwidth} between nodes, {args.intra_bandwidth} inside; "
+          f"{cl.algorithm} collectives{'; hierarchical exchange' if work.hierarchical else ''}; "
+          f"{work.tokens_per_step} tokens per GPU per step at {work.tokens_per_second:g} tokens/s")
+    width, sw = max(12, *(len(r[0]) for r in rows)), max(4, *(len(r[1]) for r in rows))
+    head = (f"{'compressor':<{width}}" + (f" {'sync':<{sw}}" if with_sync else "")
+            + f" {'exchange':>9} {'MB/GPU':>8} {'ratio':>7} {'compute':>8} {'compress':>9} "
+            f"{'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10} {'util.' if with_sync else 'eff.':>6}"
+            + (f" {'MB/sync':>8} {'sync+':>9}" if with_sync else "") + (f" {'days':>7}" if args.tokens else ""))
+    print(head)
+    for spec, text, p in rows:
+        line = (f"{spec:<{width}}" + (f" {text:<{sw}}" if with_sync else "")
+                + f" {p.exchange:>9} {p.payload_bytes / 1e6:>8.2f} {p.compression_ratio:>6.1f}x "
+                f"{p.compute_s * 1e3:>6.0f}ms {p.compress_s * 1e3:>7.0f}ms {p.comm_s * 1e3:>6.0f}ms "
+                f"{p.exposed_comm_s * 1e3:>6.0f}ms {p.step_s * 1e3:>6.0f}ms {p.tokens_per_s:>10,.0f} "
+                f"{p.scaling_efficiency:>5.0%}"
+                + (f" {p.bytes_per_sync / 1e6:>8.2f} {p.sync_exposed_s * 1e3:>7.0f}ms" if with_sync else ""))
+        print(line + (f" {p.days:>7.1f}" if p.days is not None else ""))
+    if with_sync:
+        print("Per step (diloco, localsgd: means over a period of H steps); util. = compute / step.\n"
+              "MB/sync: one exchange (one fragment); sync+: what one period's exchanges add to its H steps.")
