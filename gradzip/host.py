@@ -23,9 +23,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+CONTENDED_SHARE = 0.05  # a run is contended when more than this share of its steps were
 LOAD_SLACK = 0.25  # others' busy cores beyond those this run leaves free: above this, contended
 SPREAD_LIMIT = 1.5  # compute times of a step over the window's median: beyond this, contended
 CPU_SHARE_LIMIT = 0.6  # CPU time over wall time × threads, against the run's usual: below this, contended
+
+
+def is_contended(contended_steps: int, steps: int) -> bool:
+    """A run whose time-based numbers may be off: over 5% of its steps shared their cores (one step
+    that a short-lived process touched changes no mean)."""
+    return steps > 0 and contended_steps > CONTENDED_SHARE * steps
 
 
 def usable_cores() -> int:
@@ -135,8 +142,9 @@ class HostMonitor:
         return round(load, 2), bool(contended)
 
     def summary(self) -> dict[str, float | int | bool]:
-        """``host_load`` (mean and max over the steps), how many steps were contended, and whether any."""
+        """``host_load`` (mean and max over the steps), how many steps were contended, and whether the
+        run was (:func:`is_contended`)."""
         n = len(self.flags)
         return {"host_load": round(sum(self.loads) / n, 2) if n else 0.0,
                 "host_load_max": max(self.loads, default=0.0),
-                "contended_steps": sum(self.flags), "contended": any(self.flags)}
+                "contended_steps": sum(self.flags), "contended": is_contended(sum(self.flags), n)}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError
+from gradzip.host import is_contended
 from gradzip.io import read_jsonl
 from gradzip.units import parse_bandwidth
 
@@ -160,8 +161,9 @@ class Run:
 
     @property
     def contended(self) -> bool:
-        """Some of the run's steps shared their cores with other processes (summary's ``contended``)."""
-        return bool((self.summary or {}).get("contended"))
+        """Over 5% of the run's steps shared their cores with other processes (``contended_steps``)."""
+        s = self.summary or {}
+        return is_contended(int(s.get("contended_steps") or 0), int(s.get("steps") or 0))
 
     @property
     def workers(self) -> int:

@@ -135,8 +135,6 @@ def _open_log(cfg: TrainConfig, out: Any, state: checkpoint.RunState, runtime: A
     batch = data.batch("train", step=0, worker=0, num_workers=runtime.num_workers, batch_size=cfg.batch_size,
                        seed=cfg.seed, mask_prob=cfg.mask_prob)
     runtime.calibrate_clock(state.model, to_device(batch, runtime.device), precision.autocast)
-    if runtime.monitor is not None:
-        runtime.monitor.start()  # the loop starts now: set-up is no step's load
     return MetricsLog(out / "metrics.jsonl", enabled=runtime.is_main, sinks=sinks)
 
 
@@ -229,8 +227,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model.train()
         while progress["step"] < last:
             step, lr = progress["step"], schedule.lr
-            losses = torch.zeros(3, dtype=torch.float64, device=runtime.device)  # loss, mlm, nsp summed over workers
-            tokens = samples = 0
+            losses, tokens, samples = torch.zeros(3, dtype=torch.float64, device=runtime.device), 0, 0  # over workers
+            runtime.monitor.start()  # this step's window: evaluation and checkpoints are no step's load
             for w in sync.worker_ids:
                 faults.before_step(step + 1, w)
                 with rngs.use(w), sync.worker(w):  # worker w: its dropout stream, its state (sim)

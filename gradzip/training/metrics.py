@@ -27,7 +27,8 @@ syncs          exchanges completed this step: 1 with ``--sync step``; with ``dil
 clock          "modelled" (``sim``: α–β network model; local work timed in CPU time) or "measured"
                (real backends: wall time)
 host_load      cores other processes kept busy during this step (from ``/proc/stat``)
-contended      true when this step shared its cores: others left fewer free cores than the run's
+contended      true when this step shared its cores (a run with over 5% of its steps so is marked
+               contended in ``summary.json``, results tables and figures): others left fewer free cores than the run's
                threads, the process got under 60% of its usual CPU share, or its compute time was over
                1.5x the fastest of the last 20 steps (:class:`gradzip.host.HostMonitor`)
 host_s         real seconds since the run started, cumulative over resumes
@@ -57,6 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gradzip.host import is_contended
 from gradzip.io import atomic_write_json, atomic_write_text, read_jsonl
 
 
@@ -195,7 +197,7 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         "host_load_max": max((r.get("host_load") or 0.0 for r in records), default=0.0),
         "contended_steps": sum(1 for r in records if r.get("contended")),
     }
-    summary["contended"] = bool(summary["contended_steps"])
+    summary["contended"] = is_contended(summary["contended_steps"], n)
     if summary["contended"]:
         summary["warning"] = (f"{summary['contended_steps']} of {n} steps shared their cores with other processes "
                               f"(host load up to {summary['host_load_max']:.1f} cores); their measured times "
