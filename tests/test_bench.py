@@ -184,3 +184,10 @@ def test_bench_compress_help_names_compressor(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "compress", "--help"])
     assert "--compressor SPEC" in capsys.readouterr().out
+
+
+def test_bench_compress_takes_names_in_any_case(capsys):
+    """TopK is topk, as everywhere else; the row says the registered spelling."""
+    assert main(["bench", "compress", "--compressor", "TopK:Ratio=0.05", "--numel", "4096", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "topk" in out and "TopK" not in out

@@ -49,6 +49,7 @@ import torch
 from gradzip.compress import create, native, registry
 from gradzip.compress.base import Compressor
 from gradzip.compress.fastpaths import DecodeAggregate
+from gradzip.compress.registry import normalize_spec
 from gradzip.errors import GradzipError, SpecError
 
 PARAMS = {"topk": "ratio=0.01", "randomk": "ratio=0.01", "powersgd": "rank=4"}
@@ -106,7 +107,14 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, AssertionError) as e:
         raise GradzipError(f"--device {args.device!r} is not usable here: {str(e).splitlines()[0]}") from None
     names = list(registry())
-    unknown = sorted({o.split(":")[0] for o in args.compressors or []} - set(names))
+    given = []
+    for item in args.compressors or []:  # the registered spelling (TopK -> topk), and the space hint
+        try:
+            given.append(normalize_spec(item))
+        except SpecError as e:
+            raise GradzipError(f"--compressor: {e}") from None
+    args.compressors = given
+    unknown = sorted({o.split(":")[0] for o in args.compressors} - set(names))
     if unknown:
         raise GradzipError(f"--compressor: unknown compressor(s) {', '.join(unknown)}; choose from: "
                            f"{', '.join(names)} (gradzip ls lists them)")
