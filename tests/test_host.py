@@ -157,3 +157,15 @@ def test_a_contended_run_warns_and_is_marked_in_the_table(tmp_path: Path, corpus
     assert s["contended"] and s["contended_steps"] == 4 and "shared their cores" in s["warning"]
     table = results_markdown(load_runs(out.parent))
     assert "modelled (contended)" in table and "(contended): some of that row's steps" in table
+
+
+def test_train_leaves_torch_threads_as_it_found_them(tmp_path: Path, corpus, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the run's choice differs from the process's setting below
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["train", *TINY, "--corpus", str(corpus), "--out", str(tmp_path / "r")]) == 0
+        assert json.loads((tmp_path / "r" / "summary.json").read_text())["threads"] == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

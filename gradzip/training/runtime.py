@@ -38,6 +38,7 @@ class Runtime:
     comm: Any = None  # Communicator (real backends)
     threads: int = 0  # torch's intra-op threads (0: not chosen here)
     threads_reason: str = ""
+    threads_before: int = 0  # torch's thread count before this run chose its own
     work_scale: float = 1.0  # sim: the threads' CPU overhead its work clock divides out (calibrate_clock)
     monitor: HostMonitor | None = None  # contention, step by step
 
@@ -87,6 +88,8 @@ class Runtime:
             self.comm.close()
         if self.world is not None:
             set_work_scale(1.0)
+        if self.threads_before:  # train() called from Python leaves torch's threads as it found them
+            torch.set_num_threads(self.threads_before)
 
     def calibrate_clock(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], autocast: Any) -> float:
         """sim on more than one thread: the CPU time of a forward and backward of ``batch`` on this
@@ -141,6 +144,7 @@ def create_runtime(cfg: TrainConfig) -> Runtime:
     rt = _create_runtime(cfg)
     busy = 0.0 if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() else busy_elsewhere()
     rt.threads, rt.threads_reason = choose_threads(busy)
+    rt.threads_before = torch.get_num_threads()
     torch.set_num_threads(rt.threads)
     rt.monitor = HostMonitor(rt.threads)
     if rt.is_main and busy >= 0.5:
