@@ -47,9 +47,14 @@ def ddp_hook(spec: str, process_group=None, **kwargs):
 
 
 def __getattr__(name: str):
-    """``gradzip.DiLoCo`` and ``gradzip.LocalSGD`` (:mod:`gradzip.engine.diloco`), imported on use."""
+    """``gradzip.DiLoCo`` and ``gradzip.LocalSGD`` (:mod:`gradzip.engine.diloco`) and
+    ``gradzip.fsdp_compress`` (:mod:`gradzip.engine.fsdp`), imported on use."""
     if name in ("DiLoCo", "LocalSGD"):
         from gradzip.engine import diloco
 
         return getattr(diloco, name)
+    if name == "fsdp_compress":
+        from gradzip.engine.fsdp import fsdp_compress
+
+        return fsdp_compress
     raise AttributeError(f"module 'gradzip' has no attribute {name!r}")

@@ -477,3 +477,125 @@ def test_bad_memory_bandwidth_exits_2(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--memory-bandwidth" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------ --fsdp, --hsdp (sharded)
+from gradzip.cluster import sharded  # noqa: E402 - the sharded model's tests, below
+from gradzip.comm import cost  # noqa: E402
+
+C4 = math.ceil(TINY / 4)  # bert-tiny in 4 shards: 388,225 elements (padded)
+
+
+def test_fsdp_bytes_of_each_collective_by_hand():
+    # `none`, bert-tiny (one bucket), 4 GPUs: each all-gather sends 3 shards of C4 fp32, twice per
+    # step; the reduce-scatter sends 3 chunks; nothing crosses by replicas.
+    p = sharded.predict_sharded("none", "fsdp", work(), cluster(2, 2))
+    assert p.detail["allgather_bytes"] == 2 * 3 * C4 * 4
+    assert p.detail["reduce_scatter_bytes"] == 3 * C4 * 4 == cost.reduce_scatter_bytes(4 * C4 * 4, 4)
+    assert p.detail["replica_allreduce_bytes"] == 0
+    assert p.sent_bytes == p.inter_bytes == 9 * C4 * 4
+    assert p.payload_bytes == 4 * C4 * 4 and p.collectives == 3 and p.exchange == "rs"
+    # accumulation: every micro-batch gathers, the gradient is reduced once per step
+    acc = sharded.predict_sharded("none", "fsdp", work(accumulation=3), cluster(2, 2))
+    assert acc.detail["allgather_bytes"] == 3 * 2 * 3 * C4 * 4 and acc.detail["reduce_scatter_bytes"] == 3 * C4 * 4
+    assert acc.sent_bytes == acc.inter_bytes == (18 + 3) * C4 * 4
+    # one node: nothing crosses nodes
+    assert sharded.predict_sharded("none", "fsdp", work(), cluster(1, 4)).inter_bytes == 0
+
+
+@pytest.mark.parametrize("spec, scheme", [("fp16", "rs"), ("randomk:ratio=0.01", "rs"),
+                                          ("topk:ratio=0.01,ef=true", "alltoall"), ("onebit", "alltoall")])
+def test_fsdp_compresses_the_reduce_scatter(spec, scheme):
+    comp = create(spec)
+    buckets, _ = sim.model_buckets("bert-tiny", None, 25.0, 1024, True)
+    n = 8
+    chunks = [math.ceil(b.numel / n) for b in buckets]
+    want = sum((n - 1) * (comp.payload_bytes((c,)) if b.compressed else c * 4) for b, c in zip(buckets, chunks))
+    p = sharded.predict_sharded(spec, "fsdp", work(), cluster(4, 2))
+    assert p.exchange == scheme and p.detail["reduce_scatter_bytes"] == want
+    assert p.detail["allgather_bytes"] == sum(2 * (n - 1) * c * 4 for c in chunks)
+
+
+def test_fsdp_step_by_hand():
+    # 4 nodes x 1 GPU, 1 Gbit/s, no latency, overlap 0: the first forward gather and the first
+    # backward gather stall compute (one unit: nothing to prefetch behind); the reduce-scatter
+    # ((n-1)/n of 4 shards) then takes as long as a gather; compute 0.512 s.
+    ag = 3 * C4 * 4 * 8 / 1e9
+    p = sharded.predict_sharded("none", "fsdp", work(), cluster(4, 1, algorithm="ring"))
+    assert p.comm_s == pytest.approx(3 * ag) and p.exposed_comm_s == pytest.approx(3 * ag)
+    assert p.step_s == pytest.approx(0.512 + 3 * ag) and p.detail["gather_stall_s"] == pytest.approx(2 * ag)
+
+
+def test_hsdp_none_crosses_nodes_as_the_ring_allreduce_of_a_shard():
+    nodes, g = 4, 2
+    c = math.ceil(TINY / g)
+    p = sharded.predict_sharded("none", "hsdp", work(), cluster(nodes, g, a=10e-6))
+    assert p.inter_bytes == p.detail["replica_allreduce_bytes"] == cost.allreduce_bytes(c * 4, nodes)
+    assert p.detail["allgather_bytes"] == 2 * (g - 1) * c * 4
+    assert p.detail["reduce_scatter_bytes"] == cost.reduce_scatter_bytes(g * c * 4, g)
+    # the replica ring runs at the NIC's share of each of the g groups
+    unit = sharded.hsdp_unit(create("none"), sim.model_buckets("bert-tiny", None, 25.0, 1024, False)[0][0],
+                             torch.float32, cluster(nodes, g, a=10e-6), sim.CodecCost())
+    assert unit.reduce.rounds_s[1] == pytest.approx(cost.allreduce_time(c * 4, nodes, cost.Link(1e9 / g, 10e-6)))
+
+
+def test_memory_by_hand():
+    w, cl = work(), cluster(2, 4)
+    none, topk = create("none"), create("topk:ratio=0.01,ef=true")
+    assert sharded.memory("ddp", none, w, cl) == sharded.Memory(TINY * 4, TINY * 4, TINY * 8, 0)
+    assert sharded.memory("ddp", topk, w, cl).error == 1548288 * 4  # the compressed bucket, fp32
+    c8, c4 = math.ceil(TINY / 8), math.ceil(TINY / 4)
+    assert sharded.memory("fsdp", none, w, cl) == sharded.Memory(c8 * 4, c8 * 4, c8 * 8, 0)
+    assert sharded.memory("hsdp", none, w, cl) == sharded.Memory(c4 * 4, c4 * 4, c4 * 8, 0)
+    # EF: the reduce-scatter input (the whole padded unit) for FSDP, the node's shard for HSDP
+    assert sharded.memory("fsdp", topk, w, cl).error == 8 * math.ceil(1548288 / 8) * 4
+    assert sharded.memory("hsdp", topk, w, cl).error == math.ceil(1548288 / 4) * 4
+    half = sharded.memory("fsdp", none, work(grad_dtype="bf16"), cl)
+    assert half.grads == c8 * 2 and half.params == c8 * 4
+    # accumulating, the gradient stays unsharded until the last micro-batch
+    assert sharded.memory("fsdp", none, work(accumulation=2), cl).grads == TINY * 4
+
+
+SHARDED = ["simulate", "--model", "bert-tiny", "--tokens-per-second", "1000", "--batch-size", "8", "--seq-len", "64"]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--fsdp", "--hsdp"], "--fsdp and --hsdp"),
+    (["--hsdp", "--gpus-per-node", "1"], "--hsdp shards inside each node"),
+    (["--hsdp", "--nodes", "1"], "--hsdp replicates across nodes"),
+    (["--fsdp", "--sync", "diloco:every=10"], "cannot be combined with --sync"),
+    (["--hsdp", "--sync", "localsgd:every=4"], "cannot be combined with --sync"),
+    (["--fsdp", "--hierarchical"], "--hierarchical"),
+    (["--fsdp", "--memory-bandwidth", "320GB/s"], "--memory-bandwidth is for --sync"),
+    (["--fsdp", "--compressor", "powersgd:rank=4"], "needs several rounds or whole matrices"),
+    (["--hsdp", "--compressor", "threshold"], "data-dependent payload size"),
+])
+def test_bad_sharded_combinations_exit_2_with_one_line(flags, needle, capsys):
+    assert main(SHARDED + flags) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_sharded_table_puts_ddp_beside_the_mode(capsys):
+    assert main(SHARDED + ["--nodes", "2", "--gpus-per-node", "2", "--hsdp", "--compressor", "fp16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["compressor", "mode", "exchange", "sent_MB", "inter_MB", "compute", "compress", "comm",
+                                "exposed", "step", "tokens/s", "eff.", "params", "grads", "optim", "EF"]
+    assert [ln.split()[:2] for ln in lines[2:4]] == [["fp16", "ddp"], ["fp16", "hsdp"]]
+    ddp = sim.predict("fp16", work(), cluster(2, 2, 1e10, 1e11, 50e-6, 5e-6))
+    assert f"{ddp.step_s * 1e3:.0f}ms" in lines[2].split()
+    assert main(SHARDED + ["--fsdp", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    assert [r["mode"] for r in res] == ["ddp", "fsdp"]
+    assert res[1]["memory_bytes"]["params"] < res[0]["memory_bytes"]["params"]
+
+
+def test_default_output_is_unchanged(capsys):
+    """Without --fsdp/--hsdp the table is the one gradzip simulate always printed."""
+    assert main(SHARDED + ["--nodes", "4", "--gpus-per-node", "1", "--inter-bandwidth", "1gbit"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "bert-tiny: 1.6 M parameters; 4 nodes x 1 GPUs = 4 workers; 1gbit between nodes, 100gbit inside; "
+        "hierarchical collectives; 512 tokens per GPU per step at 1000 tokens/s",
+        "compressor    exchange   MB/GPU   ratio  compute  compress     comm  exposed     step   tokens/s   eff.",
+        "none         allreduce     6.21    1.0x    512ms       0ms     75ms     75ms    587ms      3,490   87%",
+    ]

@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from gradzip.cluster import simulate
+from gradzip.cluster import sharded, simulate
 from gradzip.cluster.network import ALGORITHMS, Cluster, CodecCost
 from gradzip.cluster.simulate import DTYPES, Prediction, Workload, parse_sync, predict
 from gradzip.compress.registry import create
@@ -67,7 +67,7 @@ def codec_from_bench(path: str, spec: str) -> CodecCost:
             total = _row_number(r, key, path, name)
             return CodecCost(total / numel, total / 2 / numel, where)
     raise GradzipError(f"--encode-cost file {path} has no timing for {want[0]}; "
-                       f"run `gradzip bench compress --json --only {want[0]}`")
+                       f"run `gradzip bench compress --json --compressor {want[0]}`")
 
 
 def _row_number(row: dict, key: str, path: str, name: object) -> float:
@@ -124,6 +124,10 @@ Example (the projection in docs/simulator.md):
 DiLoCo beside per-step exchange (every --sync with every --compressor, one row each):
   gradzip simulate --model bert-large --nodes 4 --gpus-per-node 1 --tokens-per-second 5600 \\
       --compressor none --compressor fp16 --sync step --sync diloco:every=100
+Sharded training beside DDP (--fsdp or --hsdp, one row each per compressor, with per-GPU memory;
+the model: the docstring of gradzip/cluster/sharded.py):
+  gradzip simulate --model bert-large --nodes 8 --gpus-per-node 4 --tokens-per-second 5600 \\
+      --compressor fp16 --compressor topk:ratio=0.01,ef=true --hsdp
 """
 
 
@@ -170,6 +174,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--memory-bandwidth", default=None, metavar="BW",
       help="GPU memory bandwidth (e.g. 320GB/s) for the outer step's local work of diloco/localsgd "
            "(default: not charged)")
+    a("--fsdp", action="store_true",
+      help="also model FSDP (parameters, gradients and optimizer state sharded over all GPUs): a row per "
+           "compressor beside DDP's, with per-GPU memory columns")
+    a("--hsdp", action="store_true",
+      help="also model HSDP (sharded inside each node, replicated across nodes; needs >= 2 GPUs per node)")
     a("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -198,10 +207,28 @@ def _bandwidth(text: str, flag: str) -> float:
         raise GradzipError(f"{flag}: {e}") from None
 
 
+def _sharded_mode(args: argparse.Namespace, cl: Cluster, syncs: list) -> str | None:
+    """The sharded mode asked for (``fsdp``, ``hsdp``) or None; one-line errors for what it cannot model."""
+    if args.fsdp and args.hsdp:
+        raise GradzipError("--fsdp and --hsdp are two layouts of the same model; give one (each prints DDP beside it)")
+    mode = "fsdp" if args.fsdp else "hsdp" if args.hsdp else None
+    if mode is None:
+        return None
+    if args.hierarchical:
+        raise GradzipError(f"--{mode} has its own exchange; --hierarchical is the DDP engine's, drop it")
+    if args.memory_bandwidth is not None:
+        raise GradzipError(f"--memory-bandwidth is for --sync diloco/localsgd, not --{mode}")
+    sharded.check_mode(mode, cl, any(sync.outer for _, sync in syncs))
+    return mode
+
+
 def run(args: argparse.Namespace) -> int:
     work, cl = _build(args)
     specs = args.compressor or ["none"]
     syncs = [(text.strip(), parse_sync(text)) for text in args.sync or ["step"]]
+    mode = _sharded_mode(args, cl, syncs)
+    if mode is not None:
+        return run_sharded(args, mode, work, cl, specs)
     memory = None if args.memory_bandwidth is None else _bandwidth(args.memory_bandwidth, "--memory-bandwidth")
     codecs = {spec: codec_for(spec, args.encode_cost, args.aggregate_cost) for spec in specs}
     rows = [(spec, text, predict(spec, work, cl, codecs[spec], args.tokens, args.epochs, sync, memory))
@@ -242,3 +269,39 @@ def print_table(args: argparse.Namespace, work: Workload, cl: Cluster,
     if with_sync:
         print("Per step (diloco, localsgd: means over a period of H steps); util. = compute / step.\n"
               "MB/sync: one exchange (one fragment); sync+: what one period's exchanges add to its H steps.")
+
+
+# ------------------------------------------------------------------------------ --fsdp, --hsdp
+def run_sharded(args: argparse.Namespace, mode: str, work: Workload, cl: Cluster, specs: list[str]) -> int:
+    """DDP and ``mode`` side by side, one row each per compressor, with per-GPU memory."""
+    codecs = {spec: codec_for(spec, args.encode_cost, args.aggregate_cost) for spec in specs}
+    rows = []
+    for spec in specs:
+        comp = create(spec)
+        ddp = predict(spec, work, cl, codecs[spec], args.tokens, args.epochs)
+        own = sharded.predict_sharded(spec, mode, work, cl, codecs[spec], args.tokens, args.epochs)
+        rows += [(spec, m, p, sharded.memory(m, comp, work, cl)) for m, p in (("ddp", ddp), (mode, own))]
+    if args.json:
+        json.dump({"cluster": asdict(cl), "workload": asdict(work),
+                   "results": [dict(asdict(p), mode=m, memory_bytes=asdict(mem), codec=asdict(codecs[spec]))
+                               for spec, m, p, mem in rows]}, sys.stdout, indent=1)
+        print()
+        return 0
+    p0 = rows[0][2]
+    print(f"{work.model}: {p0.params / 1e6:.1f} M parameters; {cl.nodes} nodes x {cl.gpus_per_node} GPUs = "
+          f"{cl.workers} workers; {args.inter_bandwidth} between nodes, {args.intra_bandwidth} inside; "
+          f"{cl.algorithm} collectives; {work.tokens_per_step} tokens per GPU per step at "
+          f"{work.tokens_per_second:g} tokens/s; ddp beside {mode}")
+    width = max(12, *(len(r[0]) for r in rows))
+    print(f"{'compressor':<{width}} {'mode':<4} {'exchange':>9} {'sent_MB':>8} {'inter_MB':>8} {'compute':>8} "
+          f"{'compress':>9} {'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10} {'eff.':>5} "
+          f"{'params':>6} {'grads':>6} {'optim':>6} {'EF':>6}" + (f" {'days':>7}" if args.tokens else ""))
+    for spec, m, p, mem in rows:
+        gb = " ".join(f"{v / sharded.GB:>6.2f}" for v in (mem.params, mem.grads, mem.optim, mem.error))
+        print(f"{spec:<{width}} {m:<4} {p.exchange:>9} {p.sent_bytes / 1e6:>8.1f} {p.inter_bytes / 1e6:>8.1f} "
+              f"{p.compute_s * 1e3:>6.0f}ms {p.compress_s * 1e3:>7.0f}ms {p.comm_s * 1e3:>6.0f}ms "
+              f"{p.exposed_comm_s * 1e3:>6.0f}ms {p.step_s * 1e3:>6.0f}ms {p.tokens_per_s:>10,.0f} "
+              f"{p.scaling_efficiency:>5.0%} {gb}" + (f" {p.days:>7.1f}" if p.days is not None else ""))
+    print("Per GPU per step: MB sent (flat-ring count) and of it MB crossing nodes; memory per GPU in GB: "
+          "fp32 parameters,\ngradients, Adam's two fp32 moments, error-feedback memory (activations not counted).")
+    return 0

@@ -12,6 +12,8 @@ per-message latency ``α`` in seconds. Algorithms (as NCCL/Gloo/Open MPI use for
 - pipelined chain broadcast from the root: every rank but the last in the chain sends S;
   time (n−1)·α + S·8/B (large-message pipelining).
 - barrier: a zero-byte allreduce, 2(n−1)·α.
+- ring reduce-scatter of an S-byte buffer (n chunks of S/n): the first half of the ring allreduce;
+  each rank sends and receives (n−1)/n·S; time (n−1)·α + (n−1)/n·S·8/B.
 - pairwise-exchange alltoall of an S-byte buffer (n chunks of S/n): each rank sends and
   receives (n−1)/n·S; time (n−1)·α + (n−1)/n·S·8/B.
 - two link levels (``sim`` with several ranks per node, ``gradzip simulate``): a group inside one
@@ -117,3 +119,19 @@ def hierarchical_allreduce_time(nbytes: float, nodes: int, per_node: int, inter:
         t += 2 * intra.transfer(shard_step, messages=per_node - 1)  # reduce-scatter + allgather
     t += allreduce_time(nbytes / per_node, nodes, inter)
     return t
+
+
+# ---------------------------------------------------------------- sharded training (FSDP, HSDP)
+def reduce_scatter_bytes(nbytes: int, n: int) -> int:
+    """Bytes one rank sends (= receives) in a ring reduce-scatter of an ``nbytes`` buffer (n chunks):
+    the first half of a ring allreduce, (n−1)/n·S."""
+    if n <= 1:
+        return 0
+    return ((n - 1) * nbytes) // n
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter: n−1 steps of S/n bytes, (n−1)·α + (n−1)/n·S·8/B."""
+    if n <= 1:
+        return 0.0
+    return link.transfer((n - 1) / n * nbytes, messages=n - 1)

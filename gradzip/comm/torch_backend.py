@@ -5,6 +5,7 @@ or directly::
 
     comm = TorchCommunicator("gloo", rank=r, world_size=n, master_addr="10.0.0.1", master_port=29500)
     comm = TorchCommunicator()          # over a default process group that already exists (DDP code)
+    comm = TorchCommunicator.adopt(pg)  # over any existing group (FSDP's, a DeviceMesh dimension's)
 
 How each collective maps onto torch.distributed (all ``async_op=True``; ``wait()`` enforces
 ``self.timeout``):
@@ -126,6 +127,30 @@ class TorchCommunicator(RealCommunicator):
                     str(TorchCommunicator._instances), timeout, device, heartbeat_s, diagnose_s)
         atexit.register(self.close)  # also on an uncaught CommError: see close()
 
+    @classmethod
+    def adopt(cls, group: Any, *, timeout: float = DEFAULT_TIMEOUT_S, heartbeat_s: float = 0.25,
+              diagnose_s: float = 2.0) -> TorchCommunicator:
+        """A communicator over an existing torch process group (a DeviceMesh dimension's, FSDP's),
+        which it neither owns nor destroys. Collective over the group's members, which must adopt
+        their groups in the same order; ranks are the group's and errors name global ranks."""
+        if not dist.is_initialized():
+            raise GradzipError("TorchCommunicator.adopt: torch.distributed is not initialised")
+        members = [int(g) for g in dist.get_process_group_ranks(group)]
+        count = cls._adopted.get(tuple(members), 0)  # the same on every member: names the side group
+        cls._adopted[tuple(members)] = count + 1
+        side = member_group(members, "gloo", f"gradzip/adopt/{'-'.join(map(str, members))}/{count}",
+                            timedelta(seconds=timeout))
+        self = cls.__new__(cls)
+        self._blank()
+        self._named_global = True
+        TorchCommunicator._instances += 1
+        self._start(group, side, members, None, f"adopt{'-'.join(map(str, members))}.{count}", timeout, None,
+                    heartbeat_s, diagnose_s)
+        atexit.register(self.close)
+        return self
+
+    _adopted: dict[tuple[int, ...], int] = {}  # per process: adopted groups by member ranks
+
     def _blank(self) -> None:
         """The fields that close() and the timeout setter read, before any group exists."""
         self._owns_pg = False  # this communicator initialised the default group (top level only)
@@ -138,6 +163,7 @@ class TorchCommunicator(RealCommunicator):
         self._root: TorchCommunicator = self
         self._children: list[TorchCommunicator] = []
         self._splits = 0
+        self._named_global = False  # errors name global ranks (sub-communicators, adopted groups)
 
     def _start(self, group, side, members: list[int], perm: list[int] | None, instance: str, timeout: float,
                device: torch.device | None, heartbeat_s: float, diagnose_s: float) -> None:
@@ -158,7 +184,7 @@ class TorchCommunicator(RealCommunicator):
             pass
         host = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
         self._hb = Heartbeat(store, self.rank, self.world_size, lambda: self._seq, heartbeat_s, host, instance,
-                             None if self._parent is None else members)
+                             members if self._parent is not None or self._named_global else None)
         self._wait_work(dist.barrier(group=side, async_op=True), -1, "init barrier")
 
     # -- timeout also bounds the ops inside Gloo/NCCL -----------------------------------
@@ -181,10 +207,11 @@ class TorchCommunicator(RealCommunicator):
     # -- helpers ------------------------------------------------------------------------
     def _where(self) -> str:
         """This rank, for messages: sub-communicators name the global rank first."""
-        if self._parent is None:
+        if self._parent is None and not self._named_global:
             return f"rank {self.rank}"
-        return (f"global rank {self._members[self.rank]} (rank {self.rank} of the sub-communicator of global "
-                f"ranks {self._members})")
+        what = "sub-communicator" if self._parent is not None else "process group"
+        return (f"global rank {self._members[self.rank]} (rank {self.rank} of the {what} of global ranks "
+                f"{self._members})")
 
     def _fail(self, desc: str, seq: int, err: BaseException, timed_out: bool) -> None:
         self._broken = self._root._tree_broken = True
@@ -450,7 +477,7 @@ class TorchCommunicator(RealCommunicator):
         hb, self._hb = self._hb, None
         if hb is not None:
             hb.stop("error" if self._broken else "closed")
-            if self._parent is None and hb.store_host == self.rank:
+            if self._parent is None and hb.store_host == self._members[self.rank]:
                 hb.linger(self.diagnose_s + 2 * hb.interval, until_all_stopped=not self._broken)
         if self._root._tree_broken or not dist.is_initialized():
             return

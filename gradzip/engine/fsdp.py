@@ -1,0 +1,372 @@
+"""Compression for sharded training: every gradzip compressor inside FSDP2 (``fully_shard``).
+
+Example (every rank, after ``fully_shard`` on the submodules and the root)::
+
+    comp = gradzip.fsdp_compress(model, "topk:ratio=0.1,ef=true")
+    ...                                   # train as usual
+    comp.bytes_sent, comp.stats           # this rank's traffic through gradzip
+    comp.remove()                         # FSDP's own collectives again
+
+Two placements, chosen by ``replicate``:
+
+- ``replicate=None`` (1-D FSDP): gradzip replaces each FSDP module's **reduce-scatter**
+  (``FSDPModule.set_custom_reduce_scatter``). FSDP hands it the flat reduce-scatter input, whose
+  chunk ``j`` (``numel / n`` elements, FSDP pads it) is rank ``j``'s shard. On each of n ranks:
+
+  1. compress each chunk ``j`` of the input under the key ``<module>/<j>`` (with the error memory
+     of that key when the spec has ``ef=true``: one memory the size of the input per module);
+  2. an alltoall sends chunk ``j``'s payload to rank ``j`` (the first half of the ``twophase``
+     scheme, :mod:`gradzip.engine.schemes`);
+  3. rank ``j`` combines the n payloads of its shard: compressors whose payloads sum elementwise
+     (``collective == "allreduce"``: ``none``, ``fp16``, ``bf16``, random-k) average the payloads
+     and decode once; the others (sign codes, top-k, quantisers) decode each payload and combine
+     them with the compressor's ``aggregate`` (the mean; signSGD's majority vote);
+  4. the mean is scaled to what FSDP asked for with ``op``: ``AVG`` keeps it, ``SUM`` multiplies it
+     by n, a custom gradient divide factor f (``PREMUL_SUM``) by n/f. ``none`` sums the payloads
+     themselves and divides once, as Gloo's reduce-scatter does: bit-identical to plain FSDP2 for
+     two ranks (and for any n with integer-valued gradients).
+
+  Per-rank traffic is the payload once, (n-1)/n of it, as a ring reduce-scatter of the payload.
+- ``replicate=<ProcessGroup or 1-D DeviceMesh>`` (HSDP): the user shards over the intra-node mesh;
+  FSDP's own reduce-scatter runs inside the node, and gradzip all-reduces each reduced shard across
+  the replicas (``FSDPModule.set_all_reduce_hook``) with the compressor's own exchange (or the
+  spec's ``exchange=``) through :class:`gradzip.engine.exchange.Exchange` over a communicator on
+  that group. Error memory is kept per shard. With ``none`` it equals native HSDP.
+
+Error feedback (``ef=true``) keeps its memory in fp32; ``ef_dtype=torch.bfloat16`` keeps it in
+bf16 instead (:class:`gradzip.engine.fsdp_ef.LowPrecisionEF`), half the memory.
+
+Gradient accumulation needs nothing: under ``set_requires_gradient_sync(False)`` FSDP calls
+neither hook, so compression happens once per optimizer step. Every collective goes through a
+:class:`gradzip.comm.torch_backend.TorchCommunicator` adopted on FSDP's (or the replica) group:
+it has a timeout, and its errors name the lost rank. Not supported yet under 1-D FSDP: PowerSGD
+and other per-tensor or multi-round compressors, and compressors with data-dependent payload sizes
+(all of them work for the replica all-reduce of HSDP; PowerSGD there compresses each parameter's
+local shard, a matrix of its rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradzip.comm.base import Communicator
+from gradzip.comm.torch_backend import TorchCommunicator
+from gradzip.compress.base import Compressor, unflatten
+from gradzip.compress.ef import ErrorFeedback
+from gradzip.compress.registry import create
+from gradzip.engine.exchange import pack, unpack
+from gradzip.engine.fsdp_ef import LowPrecisionEF
+from gradzip.engine.handshake import check_agreement, fingerprint
+from gradzip.engine.schemes import SchemeState
+from gradzip.errors import GradzipError, SpecError
+
+try:  # FSDP2; its custom-collective interface is not exported publicly in torch 2.13
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - torch without FSDP2's custom collectives
+    FSDPModule = None  # type: ignore[assignment,misc]
+    _ReduceScatterBase = object  # type: ignore[assignment,misc]
+
+_AVG, _SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+
+
+def _check_compressor(c: Compressor) -> None:
+    """What the chunked alltoall of the 1-D reduce-scatter can carry; one line otherwise."""
+    if c.rounds > 1 or c.per_tensor:
+        raise GradzipError(f"fsdp_compress: {c.name} is not yet supported under 1-D FSDP (its matrices are split "
+                           "across the shards); use it with replicate= (HSDP) or an element-wise compressor")
+    if not c.fixed_size:
+        raise GradzipError(f"fsdp_compress: {c.name} has a data-dependent payload size, which the "
+                           "alltoall of the reduce-scatter cannot carry; use a fixed-size compressor")
+
+
+class _GradzipReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
+    """FSDP's reduce-scatter for one FSDP module, through gradzip (see the module docstring)."""
+
+    def __init__(self, owner: FSDPCompression, key: str, param_group: Any) -> None:
+        self.owner, self.key, self.param_group = owner, key, param_group
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        comm = self.owner._comm_for(group)
+        mean_scale, sum_scale = _scales(op, comm.world_size, self.param_group.gradient_divide_factor)
+        out = self.owner._reduce_chunks(comm, input_tensor, self.key, mean_scale, sum_scale)
+        output_tensor.copy_(out.view(output_tensor.shape))
+        return None  # synchronous: the result is in output_tensor, and FSDP waits on nothing
+
+
+def _scales(op: Any, n: int, factor: float | None) -> tuple[float, float | None]:
+    """``(multiplier of the mean, divisor of the sum)`` that give what ``op`` asks for; the second is
+    what an identity payload uses (its sum then divided once, as Gloo does), None for no division."""
+    if op == _AVG:
+        return 1.0, float(n)
+    if op == _SUM:
+        return float(n), None
+    if factor is None:  # PREMUL_SUM without a factor that FSDP set: nothing to honour it by
+        raise GradzipError(f"fsdp_compress: unsupported reduce op {op!r} in FSDP's reduce-scatter")
+    return n / float(factor), float(factor)
+
+
+class FSDPCompression:
+    """What :func:`fsdp_compress` returns: the registration on every FSDP module of a model.
+
+    ``bytes_sent``: this rank's bytes through gradzip's collectives (counted as the engine counts
+    them, by :mod:`gradzip.comm.cost`); ``stats``: per collective, ``calls`` and ``bytes``;
+    ``state_dict()``/``load_state_dict()``: the compressor's state (error memory, counters);
+    ``remove()``: FSDP's own collectives again."""
+
+    def __init__(self, model: nn.Module, spec: str, replicate: Any = None,
+                 ef_dtype: torch.dtype | None = None, timeout: float = 300.0) -> None:
+        self.compressor = _build(spec, ef_dtype)
+        self._spec_in = spec
+        self.spec = self.compressor.spec
+        self.ef_dtype = ef_dtype
+        self._units = _fsdp_units(model)
+        self._comms: list[tuple[Any, TorchCommunicator]] = []
+        self._scheme: SchemeState | None = None
+        self._removed = False
+        again = [k for k, pg in self._units if isinstance(pg._reduce_scatter_comm, _GradzipReduceScatter)
+                 or pg._all_reduce_hook is not None]
+        if again:
+            raise GradzipError(f"fsdp_compress: module {again[0]!r} already has gradzip (or another all-reduce hook) "
+                               "attached; call remove() on the first one before attaching again")
+        hsdp = [k for k, pg in self._units if pg._is_hsdp]
+        if hsdp:
+            raise GradzipError(f"fsdp_compress: module {hsdp[0]!r} is sharded with native HSDP (a 2-D mesh); "
+                               "shard over the intra-node mesh and pass replicate=<the replica group>")
+        rgroup = _replica_group(replicate)
+        if rgroup is not None:
+            _check_replicas(self._units, rgroup)
+        else:
+            _check_compressor(self.compressor)
+        for _key, pg in self._units:  # adopt each group once, in the modules' order (the same on every rank)
+            group = rgroup if rgroup is not None else _rs_group(pg)
+            if not any(g is group for g, _ in self._comms):
+                self._comms.append((group, TorchCommunicator.adopt(group, timeout=timeout)))
+        self._agree(rgroup is not None)
+        if rgroup is not None:
+            self._scheme = SchemeState(self.compressor, self._comms[0][1])
+        self._saved = [(pg._reduce_scatter_comm, pg._all_reduce_hook) for _, pg in self._units]
+        for key, pg in self._units:
+            if rgroup is None:
+                pg._reduce_scatter_comm = _GradzipReduceScatter(self, key, pg)
+            else:
+                pg._all_reduce_hook = self._replica_hook(key, [fp.padded_sharded_param_size for fp in pg.fsdp_params])
+
+    def _agree(self, hsdp: bool) -> None:
+        """One line on every rank unless all ranks passed the same spec, options and FSDP modules
+        (else payloads would not match). Its bytes are start-up, not gradient traffic: not counted."""
+        doc = fingerprint([], self.spec, {"ef_dtype": str(self.ef_dtype), "hsdp": hsdp},
+                          {"fsdp modules": [k for k, _ in self._units]})
+        try:
+            for _, comm in self._comms:
+                check_agreement([comm], [doc])
+                comm.stats.reset()
+        except BaseException:
+            for _, comm in self._comms:
+                comm.close()
+            raise
+
+    # -- the two placements ----------------------------------------------------------
+    def _comm_for(self, group: Any) -> Communicator:
+        for g, comm in self._comms:
+            if g is group:
+                return comm
+        ranks = dist.get_process_group_ranks(group)
+        raise GradzipError(f"fsdp_compress: FSDP reduce-scattered over the group of global ranks {ranks}, "
+                           "which it did not use when gradzip was attached; call fsdp_compress again")
+
+    @torch.no_grad()
+    def _reduce_chunks(self, comm: Communicator, flat: Tensor, key: str, mean_scale: float,
+                       sum_div: float | None) -> Tensor:
+        """This rank's chunk of the reduced ``flat`` (steps 1-4 of the module docstring)."""
+        c, n, r = self.compressor, comm.world_size, comm.rank
+        chunks = flat.reshape(n, -1)
+        rows, mine = [], None
+        for j in range(n):
+            payload, ctx = c.compress_batch([chunks[j]], f"{key}/{j}")
+            if j == r:  # every rank's chunk r decodes with this rank's context of chunk r
+                mine = (payload, ctx)
+            rows.append(pack(payload))
+        assert mine is not None
+        got = comm.alltoall(torch.stack(rows))
+        payloads = [unpack(row, mine[0]) for row in got]
+        if c.identity:  # the payload is the gradient: sum it and divide once, as the backend would
+            total = payloads[0][0].clone()
+            for p in payloads[1:]:
+                total += p[0]
+            return total.div_(sum_div) if sum_div is not None else total
+        if c.collective == "allreduce":  # payloads average elementwise: decode the mean once
+            mean = tuple(torch.stack([p[i] for p in payloads]).sum(0).div_(n) for i in range(len(mine[0])))
+            out = c.decompress_batch(mean, mine[1])[0]
+        else:  # a decode may reuse its buffer: copy each before the next
+            parts = [c.decompress_batch(p, mine[1])[0].clone() for p in payloads]
+            out = c.aggregate(parts)
+        out = out.reshape(-1)
+        return out.mul_(mean_scale) if mean_scale != 1.0 else out
+
+    def _replica_hook(self, key: str, shapes: list[torch.Size]):
+        def hook(reduce_output: Tensor) -> None:
+            """Average this shard over the replicas, compressed (FSDP already averaged the shard group).
+            Per-tensor compressors (PowerSGD) get each parameter's padded local shard as a matrix;
+            the flat shard when some parameter had no gradient (FSDP then leaves it out)."""
+            assert self._scheme is not None
+            tensors = [reduce_output]
+            if self.compressor.per_tensor and sum(s.numel() for s in shapes) == reduce_output.numel():
+                tensors = unflatten(reduce_output, shapes)
+            ex = self._scheme.exchange(self.compressor, tensors, f"{key}/replica")
+            with torch.no_grad():
+                ex.start()
+                while not ex.advance():
+                    pass
+                for t, out in zip(tensors, ex.result()):
+                    if out.data_ptr() != t.data_ptr():
+                        t.copy_(out)
+        return hook
+
+    # -- figures -----------------------------------------------------------------------
+    @property
+    def bytes_sent(self) -> int:
+        return int(sum(comm.stats.bytes_sent for _, comm in self._comms))
+
+    @property
+    def stats(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for _, comm in self._comms:
+            for op, t in comm.stats.by_op.items():
+                row = out.setdefault(op, {"calls": 0, "bytes": 0})
+                row["calls"] += t.calls
+                row["bytes"] += t.bytes_sent
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _shape(self) -> list[int]:
+        """The mesh this state belongs to: [shard group size, replica group size]."""
+        if self._scheme is not None:
+            shard = _rs_group(self._units[0][1]).size() if self._units else 1
+            return [int(shard), self._comms[0][1].world_size]
+        return [self._comms[0][1].world_size if self._comms else 1, 1]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (tensors and numbers only): save it per rank."""
+        sd: dict[str, Any] = {"mesh": self._shape(), "compressor": self.compressor.state_dict()}
+        if self._scheme is not None:
+            sd["scheme"] = self._scheme.state_dict()
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any], reset_error: bool = False) -> None:
+        """Resume from :meth:`state_dict` on the same mesh. ``reset_error=True``: start the
+        compressor's state afresh (zero error memory) instead, which also allows another mesh."""
+        got, want = [int(x) for x in state.get("mesh", [])], self._shape()
+        if reset_error:  # a fresh compressor's state: no memory, counters at zero
+            self.compressor.load_state_dict(_build(self._spec_in, self.ef_dtype).state_dict())
+            return
+        if got != want:
+            raise GradzipError(f"fsdp_compress: state saved on a mesh of shape {got} (shard, replicate) cannot "
+                               f"load on shape {want}; pass reset_error=True to start the error memory afresh")
+        try:
+            self.compressor.load_state_dict(state["compressor"])
+            if self._scheme is not None:
+                self._scheme.load_state_dict(state.get("scheme", {}))
+        except (KeyError, ValueError, TypeError) as e:
+            raise GradzipError(f"fsdp_compress: this state does not fit compressor {self.spec!r}: {e}") from None
+
+    def remove(self) -> None:
+        """FSDP's own reduce-scatter and all-reduce hook again; closes gradzip's communicators."""
+        if self._removed:
+            return
+        self._removed = True
+        for (_, pg), (rs, hook) in zip(self._units, self._saved):
+            pg._reduce_scatter_comm, pg._all_reduce_hook = rs, hook
+        for _, comm in self._comms:
+            comm.close()
+
+
+def _build(spec: str, ef_dtype: torch.dtype | None) -> Compressor:
+    if not isinstance(spec, str):
+        raise GradzipError(f"fsdp_compress: spec must be a compressor spec string, got {type(spec).__name__}")
+    try:
+        comp = create(spec)
+    except SpecError as e:
+        raise GradzipError(f"fsdp_compress: {e}") from None
+    if ef_dtype is not None and ef_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise GradzipError(f"fsdp_compress: ef_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                           f"got {ef_dtype}")
+    if ef_dtype not in (None, torch.float32):
+        if not isinstance(comp, ErrorFeedback):
+            raise GradzipError(f"fsdp_compress: ef_dtype={ef_dtype} sets the error memory's dtype, but {comp.spec!r} "
+                               "keeps no error memory; add ef=true to the spec or drop ef_dtype")
+        if comp.per_tensor:
+            raise GradzipError(f"fsdp_compress: ef_dtype={ef_dtype} is not supported with {comp.name}, whose "
+                               "memory is kept per matrix; drop ef_dtype")
+        comp = LowPrecisionEF(comp.inner, ef_dtype)
+    return comp
+
+
+def _fsdp_units(model: nn.Module) -> list[tuple[str, Any]]:
+    """(key, FSDP parameter group) of every FSDP module of ``model`` that manages parameters."""
+    if FSDPModule is None:
+        raise GradzipError("fsdp_compress needs torch's FSDP2 (torch.distributed.fsdp.fully_shard)")
+    if not isinstance(model, nn.Module):
+        raise GradzipError(f"fsdp_compress: model must be an nn.Module, got {type(model).__name__}")
+    units = []
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise GradzipError(f"fsdp_compress: module {name or 'root'!r} has several FSDP parameter groups "
+                               "(per-parameter meshes), which one custom reduce-scatter cannot serve")
+        units.extend((name or "root", pg) for pg in groups)
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise GradzipError("fsdp_compress: the model has no FSDP module; call "
+                           "torch.distributed.fsdp.fully_shard on it (and its submodules) first")
+    return units
+
+
+def _check_replicas(units: list[tuple[str, Any]], rgroup: Any) -> None:
+    """HSDP: a shard group and the replica group share this rank alone (else the gradient would be
+    averaged twice over the same ranks)."""
+    me, replicas = dist.get_rank(), set(dist.get_process_group_ranks(rgroup))
+    for key, pg in units:
+        shard = set(dist.get_process_group_ranks(_rs_group(pg)))
+        if shard & replicas != {me}:
+            raise GradzipError(f"fsdp_compress: module {key!r} is sharded over global ranks {sorted(shard)}, which "
+                               f"overlap the replica group {sorted(replicas)}; shard over the intra-node mesh "
+                               "(fully_shard(mesh=mesh['shard'])) and replicate over the other dimension")
+
+
+def _rs_group(pg: Any) -> Any:
+    info = pg.mesh_info
+    return getattr(info, "reduce_scatter_process_group", None) or info.shard_process_group
+
+
+def _replica_group(replicate: Any) -> Any:
+    if replicate is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(replicate, DeviceMesh):
+        if replicate.ndim != 1:
+            raise GradzipError(f"fsdp_compress: replicate must be a 1-D DeviceMesh, got {replicate.ndim}-D")
+        return replicate.get_group()
+    if isinstance(replicate, dist.ProcessGroup):
+        return replicate
+    raise GradzipError(f"fsdp_compress: replicate must be a ProcessGroup or a 1-D DeviceMesh, "
+                       f"got {type(replicate).__name__}")
+
+
+def fsdp_compress(model: nn.Module, spec: str, *, replicate: Any = None, ef_dtype: torch.dtype | None = None,
+                  timeout: float = 300.0) -> FSDPCompression:
+    """Compress the gradient reduction of a ``fully_shard``-ed ``model`` with ``spec`` (see the module
+    docstring). Collective: call it on every rank, after ``fully_shard`` and before the first backward.
+    ``replicate``: the replica group for HSDP (None: 1-D FSDP). ``ef_dtype``: the dtype of the error
+    memory (``torch.bfloat16`` halves it). ``timeout``: seconds every collective may take."""
+    return FSDPCompression(model, spec, replicate, ef_dtype, timeout)
