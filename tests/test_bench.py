@@ -191,3 +191,44 @@ def test_bench_compress_takes_names_in_any_case(capsys):
     assert main(["bench", "compress", "--compressor", "TopK:Ratio=0.05", "--numel", "4096", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "topk" in out and "TopK" not in out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_bench_fsdp_rows_and_fp32_bytes(capsys, tmp_path):
+    """gradzip bench fsdp: one row per configuration; none's bytes are the fp32 reduce-scatter
+    payload: each rank sends (n-1)/n of the padded flat gradient (every parameter's dim 0 padded
+    to a multiple of n by FSDP2) per step."""
+    import argparse
+    import math
+
+    from gradzip.bench.fsdp import build_model
+
+    out = tmp_path / "fsdp.json"
+    assert main(["bench", "fsdp", "--workers", "2", "--model", "tiny", "--steps", "2", "--rounds", "1",
+                 "--compressor", "fp16", "onebit", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    rows = {r["config"]: r for r in data["rows"]}
+    assert list(rows) == ["fsdp2", "none", "fp16", "onebit"] and "overhead: none / fsdp2" in table
+    assert data["meta"]["workers"] == 2 and all(r["steps"] == 2 and r["step_s"] > 0 for r in rows.values())
+    assert rows["fsdp2"]["ratio"] == 1.0 and "bytes_per_step" not in rows["fsdp2"]
+    n = 2
+    model = build_model(argparse.Namespace(model="tiny", vocab=2048, seq=64))
+    padded = sum(math.ceil(p.shape[0] / n) * n * math.prod(p.shape[1:]) for p in model.parameters())
+    assert rows["none"]["bytes_per_step"] == 4 * padded * (n - 1) // n
+    assert rows["fp16"]["bytes_ratio"] == pytest.approx(0.5)
+    assert rows["onebit"]["bytes_ratio"] < 0.05
+    for r in data["rows"]:
+        assert r["ratio"] == pytest.approx(r["step_s"] / rows["fsdp2"]["step_s"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "1"], "--workers must be >= 2"),
+    (["--compressor", "nosuch"], "--compressor nosuch:"),
+    (["--compressor", "powersgd:rank=2"], "not yet supported under 1-D FSDP"),
+])
+def test_bench_fsdp_bad_input_is_one_line(capsys, argv, message):
+    assert main(["bench", "fsdp", "--model", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
