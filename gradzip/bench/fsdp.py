@@ -69,16 +69,13 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_compressor(spec: str) -> None:
-    """What fsdp_compress's 1-D reduce-scatter would refuse, refused here, before any rank starts
-    (the same conditions as gradzip.engine.fsdp, from the compressor's public attributes)."""
+    """What fsdp_compress's 1-D reduce-scatter would refuse, refused here, before any rank starts."""
+    from gradzip.engine.fsdp import check_compressor as refuse
+
     try:
-        c = create(spec)
+        refuse(create(spec))
     except SpecError as e:
         raise GradzipError(str(e)) from None
-    if c.rounds > 1 or c.per_tensor:
-        raise GradzipError(f"{c.name} is not yet supported under 1-D FSDP (fsdp_compress refuses it)")
-    if not c.fixed_size:
-        raise GradzipError(f"{c.name} has a data-dependent payload size, which fsdp_compress refuses")
 
 
 # ------------------------------------------------------------------ one rank

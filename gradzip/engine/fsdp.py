@@ -74,7 +74,7 @@ except ImportError:  # pragma: no cover - torch without FSDP2's custom collectiv
 _AVG, _SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
 
 
-def _check_compressor(c: Compressor) -> None:
+def check_compressor(c: Compressor) -> None:
     """What the chunked alltoall of the 1-D reduce-scatter can carry; one line otherwise."""
     if c.rounds > 1 or c.per_tensor:
         raise GradzipError(f"fsdp_compress: {c.name} is not yet supported under 1-D FSDP (its matrices are split "
@@ -145,7 +145,7 @@ class FSDPCompression:
         if rgroup is not None:
             _check_replicas(self._units, rgroup)
         else:
-            _check_compressor(self.compressor)
+            check_compressor(self.compressor)
         for _key, pg in self._units:  # adopt each group once, in the modules' order (the same on every rank)
             group = rgroup if rgroup is not None else _rs_group(pg)
             if not any(g is group for g, _ in self._comms):
