@@ -90,7 +90,8 @@ def phase_fsdp(rank: int, n: int) -> dict:
         res[f"none_{integer}"] = {"plain": plain, "gz": train(model, rank, 3, integer),
                                   "bytes": comp.bytes_sent, "stats": comp.stats}
         comp.remove()
-    for spec in ("fp16", "bf16", "onebit", "topk:ratio=0.25,ef=true", "randomk:ratio=0.5"):
+    for spec in ("fp16", "bf16", "onebit", "topk:ratio=0.25,ef=true", "randomk:ratio=0.5",
+                 "powersgd:rank=4,min_compression_rate=0", "threshold:ef=true"):
         model = make_model(mesh, False)
         comp = gradzip.fsdp_compress(model, spec)
         g = train(model, rank, 3, False)
@@ -127,7 +128,6 @@ def phase_fsdp(rank: int, n: int) -> dict:
                       "plain": train(make_model(mesh, True), rank, 1, True)}
     bad: dict = {}
     for what, kw in {"replicate": {"replicate": "node0"}, "spec": {"spec": "nosuch"},
-                     "powersgd": {"spec": "powersgd:rank=2"}, "threshold": {"spec": "threshold"},
                      "mismatch": {"spec": "onebit" if rank == 0 else "topk:ratio=0.1"}}.items():
         try:
             gradzip.fsdp_compress(make_model(mesh, False), kw.pop("spec", "none"), **kw)

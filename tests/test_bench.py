@@ -226,7 +226,7 @@ def test_bench_fsdp_rows_and_fp32_bytes(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "1"], "--workers must be >= 2"),
     (["--compressor", "nosuch"], "--compressor nosuch:"),
-    (["--compressor", "powersgd:rank=2"], "not yet supported under 1-D FSDP"),
+    (["--compressor", "powersgd:rank=0"], "--compressor powersgd:rank=0:"),
 ])
 def test_bench_fsdp_bad_input_is_one_line(capsys, argv, message):
     assert main(["bench", "fsdp", "--model", "tiny", *argv]) == 2

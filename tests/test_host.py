@@ -36,6 +36,8 @@ def test_busy_elsewhere_sees_a_cpu_bound_neighbour():
     import sys
 
     quiet = host.busy_elsewhere(0.3)
+    if quiet > host.usable_cores() - 1:  # every core already busy: no room left to see one more
+        pytest.skip(f"the machine is saturated ({quiet:.1f} busy cores of {host.usable_cores()})")
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 5: pass"])
     try:
         time.sleep(0.3)

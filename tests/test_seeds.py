@@ -122,6 +122,7 @@ def test_metric_figures_bands_and_references(tmp_path):
     root = seeded_sweep(tmp_path / "sw")
     assert metric_figure("eval_mlm_acc_steps") == ("eval_mlm_acc", "steps")
     assert metric_figure("grad_norm_time") == ("grad_norm", "time")
+    assert metric_figure("eval_loss_bytes") == ("eval_loss", "bytes")
     assert not is_figure("accuracy_steps") and is_figure("loss_steps")
     col = load_runs(root)
     assert reference(col.runs, "eval_mlm_loss") == [(6.5, "unigram entropy H = 6.50 (no context)"),
@@ -129,9 +130,10 @@ def test_metric_figures_bands_and_references(tmp_path):
     assert [v for v, _ in reference(col.runs, "eval_mlm_acc")] == pytest.approx([0.05, 0.14])
     assert [v for v, _ in reference(col.runs, "loss")] == pytest.approx([6.5 + 0.6931, 6.0 + 0.6931], abs=1e-4)
     assert reference(col.runs, "grad_norm") == []
-    rep = make_report(root, figures=["eval_mlm_acc_steps", "eval_mlm_loss_steps", "mlm_loss_time", "loss_steps"])
+    names = ["eval_mlm_acc_steps", "eval_mlm_loss_steps", "mlm_loss_time", "loss_steps", "eval_mlm_loss_bytes"]
+    rep = make_report(root, figures=names)
     drawn = {d.name: d for d in rep.figures}
-    assert set(drawn) == {"eval_mlm_acc_steps", "eval_mlm_loss_steps", "mlm_loss_time", "loss_steps"}, rep.skipped
+    assert set(drawn) == set(names), rep.skipped
     for d in drawn.values():
         assert_image(next(p for p in d.paths if p.suffix == ".png"))
     assert "mean of 3 seeds" in drawn["eval_mlm_acc_steps"].caption
@@ -141,6 +143,7 @@ def test_metric_figures_bands_and_references(tmp_path):
     assert "unigram plateau H + ln 2" in drawn["loss_steps"].caption
     assert "context-free floor + ln 2 = 6.69" in drawn["loss_steps"].caption
     assert "modelled" in drawn["mlm_loss_time"].caption
+    assert "cumulative bytes each worker sent" in drawn["eval_mlm_loss_bytes"].caption
     # the default set includes the accuracy figures when the runs have them
     assert {"eval_mlm_acc_steps", "eval_mlm_loss_steps"} <= {d.name for d in make_report(root).figures}
 

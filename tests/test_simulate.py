@@ -516,6 +516,26 @@ def test_fsdp_compresses_the_reduce_scatter(spec, scheme):
     assert p.detail["allgather_bytes"] == sum(2 * (n - 1) * c * 4 for c in chunks)
 
 
+def test_fsdp_runs_compressors_that_are_not_chunkable_through_their_own_exchange():
+    # PowerSGD on each parameter's block of rows in every GPU's chunk: an allreduce of P and Q of
+    # every block; threshold: its allgather of every chunk's payload.
+    comp = create("powersgd:rank=4")
+    buckets, _ = sim.model_buckets("bert-tiny", None, 25.0, 1024, True)
+    n = 8
+    p = sharded.predict_sharded("powersgd:rank=4", "fsdp", work(), cluster(4, 2))
+    blocks = [sharded.row_blocks(b.shapes, n) * n for b in buckets]
+    want = sum(cost.allreduce_bytes(comp.batch_payload_bytes(bl), n) if b.compressed
+               else (n - 1) * math.ceil(b.numel / n) * 4 for b, bl in zip(buckets, blocks))
+    assert p.exchange == "allreduce" and p.detail["reduce_scatter_bytes"] == pytest.approx(want)
+    assert p.detail["reduce_scatter_bytes"] < sharded.predict_sharded("none", "fsdp", work(), cluster(4, 2)).detail[
+        "reduce_scatter_bytes"] / 4
+    assert sharded.predict_sharded("threshold", "fsdp", work(), cluster(4, 2)).exchange == "allgather"
+    # HSDP: PowerSGD of each parameter's shard across the replicas
+    h = sharded.predict_sharded("powersgd:rank=4", "hsdp", work(), cluster(4, 2))
+    assert 0 < h.detail["replica_allreduce_bytes"] < sharded.predict_sharded("none", "hsdp", work(), cluster(4, 2)
+                                                                              ).detail["replica_allreduce_bytes"] / 10
+
+
 def test_fsdp_step_by_hand():
     # 4 nodes x 1 GPU, 1 Gbit/s, no latency, overlap 0: the first forward gather and the first
     # backward gather stall compute (one unit: nothing to prefetch behind); the reduce-scatter
@@ -567,8 +587,6 @@ SHARDED = ["simulate", "--model", "bert-tiny", "--tokens-per-second", "1000", "-
     (["--hsdp", "--sync", "localsgd:every=4"], "cannot be combined with --sync"),
     (["--fsdp", "--hierarchical"], "--hierarchical"),
     (["--fsdp", "--memory-bandwidth", "320GB/s"], "--memory-bandwidth is for --sync"),
-    (["--fsdp", "--compressor", "powersgd:rank=4"], "needs several rounds or whole matrices"),
-    (["--hsdp", "--compressor", "threshold"], "data-dependent payload size"),
 ])
 def test_bad_sharded_combinations_exit_2_with_one_line(flags, needle, capsys):
     assert main(SHARDED + flags) == 2

@@ -38,8 +38,10 @@ gradient for DDP, the reduce-scatter input (the whole unit) for FSDP, the shard 
 accumulation the gradient is unsharded (see above). Not counted: activations, the gathered unit's
 transient copy, communication buffers.
 
-Compressors that need several rounds or whole matrices (PowerSGD) or whose payload size depends
-on the data are refused, as gradzip's FSDP compression (:mod:`gradzip.engine.fsdp`) refuses them.
+Compressors that are not :func:`chunkable` (several rounds or whole matrices: PowerSGD; a payload
+size that depends on the data) run, under FSDP, their own exchange of every rank's chunks (each
+parameter's row block, for PowerSGD), as :mod:`gradzip.engine.fsdp` does; under HSDP, PowerSGD
+compresses each parameter's shard.
 """
 
 from __future__ import annotations
@@ -114,14 +116,16 @@ def check_mode(mode: str, cl: Cluster, sync_outer: bool) -> None:
         raise GradzipError("--hsdp replicates across nodes: it needs --nodes >= 2 (got 1; use --fsdp)")
 
 
-def check_compressor(comp: Compressor, mode: str) -> None:
-    """What gradzip's FSDP compression (:mod:`gradzip.engine.fsdp`) can carry; one line otherwise."""
-    if comp.rounds > 1 or comp.per_tensor:
-        raise GradzipError(f"--{mode}: {comp.spec} needs several rounds or whole matrices, which a flat shard does "
-                           "not hold (gradzip's FSDP compression does not support it); use an element-wise compressor")
-    if not comp.fixed_size:
-        raise GradzipError(f"--{mode}: {comp.spec} has a data-dependent payload size, which the alltoall of the "
-                           "reduce-scatter cannot carry; use a fixed-size compressor")
+def chunkable(comp: Compressor) -> bool:
+    """Whether 1-D FSDP's reduce-scatter can send ``comp``'s payloads chunk by chunk in one alltoall
+    (one round, flat, a payload size that does not depend on the data). The others (PowerSGD,
+    ``threshold``) run their own exchange on every rank's chunks (:mod:`gradzip.engine.fsdp`)."""
+    return comp.rounds == 1 and not comp.per_tensor and comp.fixed_size
+
+
+def row_blocks(shapes: tuple[tuple[int, ...], ...], s: int) -> list[tuple[int, ...]]:
+    """Each parameter's shard of ``s`` (FSDP2 shards dimension 0, padded): a block of its rows."""
+    return [(math.ceil(sh[0] / s), *sh[1:]) if sh else (1,) for sh in shapes]
 
 
 def summable(comp: Compressor) -> bool:
@@ -148,6 +152,14 @@ def fsdp_unit(comp: Compressor, b: BucketShape, dtype: torch.dtype, cl: Cluster,
     esize = dtype.itemsize
     c = math.ceil(b.numel / n)
     gather = (n - 1) * c * esize
+    if b.compressed and not chunkable(comp):  # the compressor's own exchange of every rank's chunks
+        blocks = row_blocks(b.shapes, n) * n
+        inner = flat_bucket(comp, blocks, n * c, True, dtype, cl, codec, 0.0)
+        return UnitCost(
+            gather_s=allgather_time(c * esize, 1, cl), reduce=inner.timing, gather_bytes=gather,
+            reduce_bytes=inner.sent, replica_bytes=0.0,
+            inter_bytes=2 * gather + inner.inter if nodes > 1 else 0.0, inter_gather=2 * gather if nodes > 1 else 0.0,
+            payload=comp.batch_payload_bytes(blocks, dtype), calls=2 + inner.calls)
     if b.compressed and not comp.identity:
         cb = comp.payload_bytes((c,), dtype)
     else:
@@ -179,9 +191,10 @@ def hsdp_unit(comp: Compressor, b: BucketShape, dtype: torch.dtype, cl: Cluster,
     t1 = cost.reduce_scatter_time(g * c * esize, g, intra)
     # The g replica groups of a node (one per local rank) run at once through its NIC.
     replicas = replace(cl, gpus_per_node=1, inter_bps=cl.inter_bps / g)
-    inner = flat_bucket(comp, [(c,)], c, b.compressed, dtype, replicas, codec, 0.0)
+    shard = row_blocks(b.shapes, g) if comp.per_tensor else [(c,)]  # PowerSGD: each parameter's shard
+    inner = flat_bucket(comp, shard, c, b.compressed, dtype, replicas, codec, 0.0)
     it = inner.timing
-    payload = comp.payload_bytes((c,), dtype) if b.compressed else c * esize
+    payload = comp.batch_payload_bytes(shard, dtype) if b.compressed else c * esize
     timing = BucketTiming(ready_s=0.0, compress_s=0.0, rounds_s=[t1, sum(it.rounds_s)],
                           between_s=[it.compress_s + sum(it.between_s)], decode_s=it.decode_s)
     return UnitCost(
@@ -227,7 +240,6 @@ def predict_sharded(spec: str, mode: str, work: Workload, cl: Cluster, codec: Co
     codec = codec or CodecCost()
     comp = create(spec)
     check_mode(mode, cl, False)
-    check_compressor(comp, mode)
     buckets, params = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
                                     separate_small_for(comp), work.grad_dtype)
     unit = fsdp_unit if mode == "fsdp" else hsdp_unit
@@ -284,6 +296,6 @@ def _backward_timings(units: list[UnitCost], shares: list[float], compute_mb: fl
 
 def exchange_label(comp: Compressor, mode: str) -> str:
     """The exchange column: FSDP's reduce-scatter (``rs``) or alltoall, HSDP's replica scheme."""
-    if mode == "fsdp":
+    if mode == "fsdp" and chunkable(comp):
         return "rs" if summable(comp) else "alltoall"
     return comp.exchange

@@ -27,6 +27,14 @@ Two placements, chosen by ``replicate``:
      two ranks (and for any n with integer-valued gradients).
 
   Per-rank traffic is the payload once, (n-1)/n of it, as a ring reduce-scatter of the payload.
+
+  Compressors that are not :func:`chunkable` (several rounds, per matrix, or a payload size that
+  depends on the data: PowerSGD, ``threshold``) instead run their own exchange (their collective,
+  or the spec's ``exchange=``) on every chunk of the input, as DDP would on the whole gradient, and
+  each rank keeps the mean of its own chunk. PowerSGD compresses each parameter's padded shard in
+  each chunk as a matrix (FSDP2 shards dimension 0: a block of the weight's rows), under one key
+  per module. The traffic is then that exchange's (an allreduce of PowerSGD's factors for every
+  block), not a reduce-scatter's.
 - ``replicate=<ProcessGroup or 1-D DeviceMesh>`` (HSDP): the user shards over the intra-node mesh;
   FSDP's own reduce-scatter runs inside the node, and gradzip all-reduces each reduced shard across
   the replicas (``FSDPModule.set_all_reduce_hook``) with the compressor's own exchange (or the
@@ -39,20 +47,20 @@ bf16 instead (:class:`gradzip.engine.fsdp_ef.LowPrecisionEF`), half the memory.
 Gradient accumulation needs nothing: under ``set_requires_gradient_sync(False)`` FSDP calls
 neither hook, so compression happens once per optimizer step. Every collective goes through a
 :class:`gradzip.comm.torch_backend.TorchCommunicator` adopted on FSDP's (or the replica) group:
-it has a timeout, and its errors name the lost rank. Not supported yet under 1-D FSDP: PowerSGD
-and other per-tensor or multi-round compressors, and compressors with data-dependent payload sizes
-(all of them work for the replica all-reduce of HSDP; PowerSGD there compresses each parameter's
-local shard, a matrix of its rows).
+it has a timeout, and its errors name the lost rank. Every compressor works in both placements;
+under HSDP, PowerSGD compresses each parameter's local shard (a matrix of its rows).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradzip.cluster.sharded import chunkable
 from gradzip.comm.base import Communicator
 from gradzip.comm.torch_backend import TorchCommunicator
 from gradzip.compress.base import Compressor, unflatten
@@ -74,31 +82,27 @@ except ImportError:  # pragma: no cover - torch without FSDP2's custom collectiv
 _AVG, _SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
 
 
-def check_compressor(c: Compressor) -> None:
-    """What the chunked alltoall of the 1-D reduce-scatter can carry; one line otherwise."""
-    if c.rounds > 1 or c.per_tensor:
-        raise GradzipError(f"fsdp_compress: {c.name} is not yet supported under 1-D FSDP (its matrices are split "
-                           "across the shards); use it with replicate= (HSDP) or an element-wise compressor")
-    if not c.fixed_size:
-        raise GradzipError(f"fsdp_compress: {c.name} has a data-dependent payload size, which the "
-                           "alltoall of the reduce-scatter cannot carry; use a fixed-size compressor")
-
-
 class _GradzipReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
     """FSDP's reduce-scatter for one FSDP module, through gradzip (see the module docstring)."""
 
     def __init__(self, owner: FSDPCompression, key: str, param_group: Any) -> None:
         self.owner, self.key, self.param_group = owner, key, param_group
+        self.shapes = [fp.padded_sharded_param_size for fp in param_group.fsdp_params]
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
                  async_op: bool = False) -> None:
+        t0 = time.perf_counter()
         comm = self.owner._comm_for(group)
         mean_scale, sum_scale = _scales(op, comm.world_size, self.param_group.gradient_divide_factor)
-        out = self.owner._reduce_chunks(comm, input_tensor, self.key, mean_scale, sum_scale)
+        if chunkable(self.owner.compressor):
+            out = self.owner._reduce_chunks(comm, input_tensor, self.key, mean_scale, sum_scale)
+        else:
+            out = self.owner._reduce_whole(comm, input_tensor, self.key, self.shapes, mean_scale)
         output_tensor.copy_(out.view(output_tensor.shape))
+        self.owner.reduce_s += time.perf_counter() - t0
         return None  # synchronous: the result is in output_tensor, and FSDP waits on nothing
 
 
@@ -123,14 +127,18 @@ class FSDPCompression:
     ``remove()``: FSDP's own collectives again."""
 
     def __init__(self, model: nn.Module, spec: str, replicate: Any = None,
-                 ef_dtype: torch.dtype | None = None, timeout: float = 300.0) -> None:
+                 ef_dtype: torch.dtype | None = None, timeout: float = 300.0,
+                 agree: dict[str, Any] | None = None) -> None:
         self.compressor = _build(spec, ef_dtype)
+        self.nonfinite = 0  # reductions since begin_step() whose input held an inf or NaN
+        self.reduce_s = 0.0  # seconds in gradzip's reductions (encode, collectives, decode), cumulative
         self._spec_in = spec
         self.spec = self.compressor.spec
         self.ef_dtype = ef_dtype
         self._units = _fsdp_units(model)
         self._comms: list[tuple[Any, TorchCommunicator]] = []
-        self._scheme: SchemeState | None = None
+        self._scheme: SchemeState | None = None  # HSDP's replica all-reduce
+        self._rs_schemes: dict[int, SchemeState] = {}  # 1-D, compressors that are not chunkable: per group
         self._removed = False
         again = [k for k, pg in self._units if isinstance(pg._reduce_scatter_comm, _GradzipReduceScatter)
                  or pg._all_reduce_hook is not None]
@@ -144,15 +152,15 @@ class FSDPCompression:
         rgroup = _replica_group(replicate)
         if rgroup is not None:
             _check_replicas(self._units, rgroup)
-        else:
-            check_compressor(self.compressor)
         for _key, pg in self._units:  # adopt each group once, in the modules' order (the same on every rank)
             group = rgroup if rgroup is not None else _rs_group(pg)
             if not any(g is group for g, _ in self._comms):
                 self._comms.append((group, TorchCommunicator.adopt(group, timeout=timeout)))
-        self._agree(rgroup is not None)
+        self._agree(rgroup is not None, agree or {})
         if rgroup is not None:
             self._scheme = SchemeState(self.compressor, self._comms[0][1])
+        elif not chunkable(self.compressor):
+            self._rs_schemes = {i: SchemeState(self.compressor, comm) for i, (_, comm) in enumerate(self._comms)}
         self._saved = [(pg._reduce_scatter_comm, pg._all_reduce_hook) for _, pg in self._units]
         for key, pg in self._units:
             if rgroup is None:
@@ -160,11 +168,12 @@ class FSDPCompression:
             else:
                 pg._all_reduce_hook = self._replica_hook(key, [fp.padded_sharded_param_size for fp in pg.fsdp_params])
 
-    def _agree(self, hsdp: bool) -> None:
-        """One line on every rank unless all ranks passed the same spec, options and FSDP modules
-        (else payloads would not match). Its bytes are start-up, not gradient traffic: not counted."""
+    def _agree(self, hsdp: bool, agree: dict[str, Any]) -> None:
+        """One line on every rank unless all ranks passed the same spec, options, FSDP modules and
+        caller's settings ``agree`` (else payloads would not match). Its bytes are start-up, not
+        gradient traffic: not counted."""
         doc = fingerprint([], self.spec, {"ef_dtype": str(self.ef_dtype), "hsdp": hsdp},
-                          {"fsdp modules": [k for k, _ in self._units]})
+                          {"fsdp modules": [k for k, _ in self._units], **agree})
         try:
             for _, comm in self._comms:
                 check_agreement([comm], [doc])
@@ -188,6 +197,7 @@ class FSDPCompression:
                        sum_div: float | None) -> Tensor:
         """This rank's chunk of the reduced ``flat`` (steps 1-4 of the module docstring)."""
         c, n, r = self.compressor, comm.world_size, comm.rank
+        self._check_finite(flat)
         chunks = flat.reshape(n, -1)
         rows, mine = [], None
         for j in range(n):
@@ -212,12 +222,35 @@ class FSDPCompression:
         out = out.reshape(-1)
         return out.mul_(mean_scale) if mean_scale != 1.0 else out
 
+    @torch.no_grad()
+    def _reduce_whole(self, comm: Communicator, flat: Tensor, key: str, shapes: list[torch.Size],
+                      mean_scale: float) -> Tensor:
+        """This rank's chunk of the mean of ``flat``, for compressors that are not :func:`chunkable`:
+        the compressor's own exchange of every rank's chunks, then this rank keeps its own. Per-tensor
+        compressors (PowerSGD) get each parameter's padded shard in each chunk as a matrix (a block of
+        its rows); the flat chunks when some parameter had no gradient (FSDP then leaves it out)."""
+        c, n, r = self.compressor, comm.world_size, comm.rank
+        self._check_finite(flat)
+        rows = flat.reshape(n, -1)
+        per = len(shapes) if c.per_tensor and sum(s.numel() for s in shapes) == rows.shape[1] else 0
+        tensors = [t for j in range(n) for t in unflatten(rows[j], shapes)] if per else list(rows)
+        scheme = next(self._rs_schemes[i] for i, (_, cm) in enumerate(self._comms) if cm is comm)
+        ex = scheme.exchange(c, tensors, f"{key}/all")
+        ex.start()
+        while not ex.advance():
+            pass
+        res = ex.result()
+        mine = torch.cat([t.reshape(-1) for t in res[r * per:(r + 1) * per]]) if per else res[r].reshape(-1)
+        return mine.mul(mean_scale) if mean_scale != 1.0 else mine.clone()
+
     def _replica_hook(self, key: str, shapes: list[torch.Size]):
         def hook(reduce_output: Tensor) -> None:
             """Average this shard over the replicas, compressed (FSDP already averaged the shard group).
             Per-tensor compressors (PowerSGD) get each parameter's padded local shard as a matrix;
             the flat shard when some parameter had no gradient (FSDP then leaves it out)."""
             assert self._scheme is not None
+            t0 = time.perf_counter()
+            self._check_finite(reduce_output)
             tensors = [reduce_output]
             if self.compressor.per_tensor and sum(s.numel() for s in shapes) == reduce_output.numel():
                 tensors = unflatten(reduce_output, shapes)
@@ -229,7 +262,34 @@ class FSDPCompression:
                 for t, out in zip(tensors, ex.result()):
                     if out.data_ptr() != t.data_ptr():
                         t.copy_(out)
+            self.reduce_s += time.perf_counter() - t0
         return hook
+
+    def _check_finite(self, t: Tensor) -> None:
+        if not bool(torch.isfinite(t).all()):
+            self.nonfinite += 1
+
+    # -- steps that may be undone ----------------------------------------------------------
+    def begin_step(self) -> None:
+        """Open a step whose compressor state updates (error memory, PowerSGD's Q, the twophase
+        server's memory) :meth:`end_step` keeps or undoes, and reset :attr:`nonfinite`. A trainer
+        that skips a step with an inf or NaN gradient on any rank calls ``end_step(keep=False)``
+        on every rank; callers that never open a step get the updates as they happen."""
+        self.nonfinite = 0
+        self.compressor.begin_step()
+        for server in self._servers():
+            server.begin_step()
+
+    def end_step(self, keep: bool) -> None:
+        """Close the step :meth:`begin_step` opened: keep its state updates, or undo them."""
+        self.compressor.end_step(keep)
+        for server in self._servers():
+            server.end_step(keep)
+
+    def _servers(self) -> list[Compressor]:
+        """The twophase schemes' server compressors (their memory is state too)."""
+        schemes = [self._scheme, *self._rs_schemes.values()]
+        return [st.server for st in schemes if st is not None and st.server is not None]
 
     # -- figures -----------------------------------------------------------------------
     @property
@@ -259,6 +319,8 @@ class FSDPCompression:
         sd: dict[str, Any] = {"mesh": self._shape(), "compressor": self.compressor.state_dict()}
         if self._scheme is not None:
             sd["scheme"] = self._scheme.state_dict()
+        if any(st.server is not None for st in self._rs_schemes.values()):
+            sd["rs_schemes"] = {str(i): st.state_dict() for i, st in self._rs_schemes.items()}
         return sd
 
     def load_state_dict(self, state: dict[str, Any], reset_error: bool = False) -> None:
@@ -275,6 +337,8 @@ class FSDPCompression:
             self.compressor.load_state_dict(state["compressor"])
             if self._scheme is not None:
                 self._scheme.load_state_dict(state.get("scheme", {}))
+            for i, st in self._rs_schemes.items():
+                st.load_state_dict(state.get("rs_schemes", {}).get(str(i), {}))
         except (KeyError, ValueError, TypeError) as e:
             raise GradzipError(f"fsdp_compress: this state does not fit compressor {self.spec!r}: {e}") from None
 
@@ -324,7 +388,8 @@ def _fsdp_units(model: nn.Module) -> list[tuple[str, Any]]:
         if len(groups) > 1:
             raise GradzipError(f"fsdp_compress: module {name or 'root'!r} has several FSDP parameter groups "
                                "(per-parameter meshes), which one custom reduce-scatter cannot serve")
-        units.extend((name or "root", pg) for pg in groups)
+        # fully_shard([a, b]) gives several modules one group: register it once, under the first name
+        units.extend((name or "root", pg) for pg in groups if not any(pg is q for _, q in units))
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise GradzipError("fsdp_compress: the model has no FSDP module; call "
                            "torch.distributed.fsdp.fully_shard on it (and its submodules) first")
@@ -364,9 +429,10 @@ def _replica_group(replicate: Any) -> Any:
 
 
 def fsdp_compress(model: nn.Module, spec: str, *, replicate: Any = None, ef_dtype: torch.dtype | None = None,
-                  timeout: float = 300.0) -> FSDPCompression:
+                  timeout: float = 300.0, agree: dict[str, Any] | None = None) -> FSDPCompression:
     """Compress the gradient reduction of a ``fully_shard``-ed ``model`` with ``spec`` (see the module
     docstring). Collective: call it on every rank, after ``fully_shard`` and before the first backward.
     ``replicate``: the replica group for HSDP (None: 1-D FSDP). ``ef_dtype``: the dtype of the error
-    memory (``torch.bfloat16`` halves it). ``timeout``: seconds every collective may take."""
-    return FSDPCompression(model, spec, replicate, ef_dtype, timeout)
+    memory (``torch.bfloat16`` halves it). ``timeout``: seconds every collective may take. ``agree``:
+    further settings (JSON-able) that every rank must share, compared with the spec at attach time."""
+    return FSDPCompression(model, spec, replicate, ef_dtype, timeout, agree)

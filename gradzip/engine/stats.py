@@ -25,6 +25,8 @@ class StepStats:
     nonfinite: how many of this process's workers had an inf or NaN in their local gradient
         (real backends: 0 or 1; see :meth:`Engine.agree_finite` and :meth:`Engine.skip_step`).
     syncs: synchronisations completed this step (per-step exchange: 1; DiLoCo: fragments applied).
+    by_collective: sharded training: ``bytes_sent`` split into ``allgather`` (parameters),
+        ``reduce_scatter`` and ``allreduce`` (HSDP's replicas); None for the other modes.
     """
 
     compute_s: float
@@ -39,6 +41,7 @@ class StepStats:
     intra_bytes_sent: int = 0
     nonfinite: int = 0
     syncs: int = 1
+    by_collective: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)

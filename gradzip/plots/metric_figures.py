@@ -1,5 +1,6 @@
-"""Figures of any metrics.jsonl field: ``<metric>_steps`` and ``<metric>_time`` (e.g.
-``eval_mlm_acc_steps``, ``grad_norm_time``; the fields: :data:`gradzip.plots.results.METRICS`).
+"""Figures of any metrics.jsonl field: ``<metric>_steps``, ``<metric>_time`` and ``<metric>_bytes``
+(against the cumulative bytes a worker sent, log scale; e.g. ``eval_mlm_acc_steps``,
+``grad_norm_time``, ``eval_loss_bytes``; the fields: :data:`gradzip.plots.results.METRICS`).
 
 One line per series (the mean over its seeds, with a min–max band when there are several). Eval
 metrics are drawn at their eval steps with markers; per-step losses and the gradient norm are
@@ -35,6 +36,12 @@ def fig_metric(name: str, col: Collection, pal: style.Palette, target: LossTarge
     sparse = metric.startswith("eval_")
 
     def xs_of(r: Run) -> list[float]:
+        if x == "bytes":  # cumulative over every step, read at the metric's steps (MB)
+            total, upto = 0, {}
+            for m in r.metrics:
+                total += int(m.get("bytes_sent") or 0)
+                upto[m.get("step")] = total / 1e6
+            return [upto[m["step"]] for m in rows(r)]
         return [float(m["step"] if x == "steps" else m.get("wall_s", 0.0)) for m in rows(r)]
 
     def ys_of(r: Run) -> list[float]:
@@ -57,15 +64,19 @@ def fig_metric(name: str, col: Collection, pal: style.Palette, target: LossTarge
             ax.axhline(value, color="0.35", linewidth=0.9, linestyle=ls, label=label)
         if metric.startswith("bytes"):
             ax.set_yscale("symlog")
+        if x == "bytes":
+            ax.set_xscale("log")
 
     clock = clock_of(runs)
-    xlabel = "optimizer step (count)" if x == "steps" else f"wall-clock time (s, {clock})"
+    xlabel = {"steps": "optimizer step (count)", "bytes": "cumulative bytes sent per worker (MB, log scale)"}.get(
+        x, f"wall-clock time (s, {clock})")
     fig, pn = facetted(col, set(), draw, xlabel, METRICS[metric],
                         single_width=7.2 if len(series(col)) > 6 else None)
     if len(fig.axes) == 1:
-        fig.axes[0].set_title(f"{METRICS[metric]} against {'steps' if x == 'steps' else 'time'}")
+        fig.axes[0].set_title(f"{METRICS[metric]} against {x}")
     caption = (f"{METRICS[metric][0].upper() + METRICS[metric][1:]} ({metric} in metrics.jsonl) against "
-               + ("optimizer steps" if x == "steps" else "cumulative wall-clock time")
+               + {"steps": "optimizer steps", "bytes": "the cumulative bytes each worker sent (bytes_sent)"}.get(
+                   x, "cumulative wall-clock time")
                + (f", smoothed by a centred moving average over {2 * half + 1} points" if half else "")
                + (", at each evaluation" if sparse else "") + "."
                + "".join(f" {how}: {label}." for how, (_, label) in zip(("Dashed", "Dotted"), ref))

@@ -59,8 +59,9 @@ DEFAULT_METRIC_FIGURES = ("eval_mlm_loss_steps", "eval_mlm_acc_steps")
 
 
 def metric_figure(name: str) -> tuple[str, str] | None:
-    """``eval_mlm_acc_steps`` -> ("eval_mlm_acc", "steps"); None if ``name`` is not a metric figure."""
-    for x in ("steps", "time"):
+    """``eval_mlm_acc_steps`` -> ("eval_mlm_acc", "steps"); ``_time`` and ``_bytes`` (cumulative bytes
+    sent per worker) too; None if ``name`` is not a metric figure."""
+    for x in ("steps", "time", "bytes"):
         metric = name.removesuffix("_" + x)
         if metric != name and metric in METRICS:
             return metric, x
@@ -71,7 +72,7 @@ def is_figure(name: str) -> bool:
     return name in FIGURES or metric_figure(name) is not None
 
 
-FIGURE_CHOICES = ", ".join(FIGURES) + ", or METRIC_steps / METRIC_time for a metrics.jsonl field METRIC"
+FIGURE_CHOICES = ", ".join(FIGURES) + ", or METRIC_steps / METRIC_time / METRIC_bytes for a metrics.jsonl field METRIC"
 
 
 def _mean_of(runs: list[Run], key: str) -> float | None:

@@ -6,7 +6,8 @@ so that names sort by step)::
     ckpt-0000000S.pt            rank 0: everything shared by the ranks + rank 0's own state
     ckpt-0000000S-rank<r>.pt    rank r > 0 (real backends only): rank r's own state
 
-*Shared* state is identical on every rank, so one copy is kept: the model, the optimizer, the LR
+*Shared* state is identical on every rank, so one copy is kept: the model, the optimizer (both in
+full, gathered from the shards under ``--fsdp``/``--hsdp``: :mod:`gradzip.training.sharding`), the LR
 schedule, the GradScaler, the data position (the step: batches are a pure function of it), the
 progress counters and the config. *Own* state differs per rank: the compressor state
 (``engine.state_dict()``: error memory, PowerSGD's Q, ...) and the RNG states. With ``sim``, one
@@ -36,6 +37,7 @@ import torch
 from gradzip.errors import GradzipError
 from gradzip.io import atomic_write, stale_temps
 from gradzip.training.config import TrainConfig, load_toml
+from gradzip.training.sharding import full_state, load_full_state
 
 FORMAT = "gradzip-checkpoint"
 VERSION = 1
@@ -175,13 +177,14 @@ def save_run(directory: str | os.PathLike[str], st: RunState, runtime: Any, keep
     """Write the checkpoint of step ``st.progress["step"]`` on every rank (shards first)."""
     step = int(st.progress["step"])
     own = {"engine": st.sync.state_dict(), "rng": st.rngs.state_dict(), "host_rng": host_rng_state()}
+    model_sd, optim_sd = full_state(st.model, st.optimizer, runtime.rank == 0)  # sharded: gathered (collective)
     if runtime.rank != 0:
         save(directory, step, runtime.rank, None, own, keep)
     runtime.barrier()  # every shard is on disk before rank 0's file marks the checkpoint complete
     if runtime.rank == 0:
         shared = {
             "world_size": runtime.num_workers, "config": st.config, "progress": dict(st.progress),
-            "model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
+            "model": model_sd, "optimizer": optim_sd,
             "schedule": st.schedule.state_dict(), "scaler": st.precision.state_dict(),
         }
         save(directory, step, 0, shared, own, keep)
@@ -227,8 +230,7 @@ def restore_run(directory: str | os.PathLike[str], st: RunState, runtime: Any) -
         return False
     found, shared, own = _newest_loadable(directory, runtime)
     try:
-        st.model.load_state_dict(shared["model"])
-        st.optimizer.load_state_dict(shared["optimizer"])
+        load_full_state(st.model, st.optimizer, shared["model"], shared["optimizer"])
         st.schedule.load_state_dict(shared["schedule"])
         st.precision.load_state_dict(shared["scaler"])
         st.sync.load_state_dict(own["engine"])

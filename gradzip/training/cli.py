@@ -37,6 +37,7 @@ from gradzip.training.faults import FaultPlan
 from gradzip.training.launch import launch_in_testbed
 from gradzip.training.loop import train
 from gradzip.training.runtime import LAUNCH_MARKER, Runtime, build_data
+from gradzip.training.sharding import ranks_per_node
 
 DEFAULTS = TrainConfig()  # defaults, for the help texts
 
@@ -99,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--latency", "sim: per-message latency, e.g. 50us")
     flag(g, "--hierarchical", "reduce in full precision inside each node, compress only between nodes",
          show_default=False, action="store_true")
+    flag(g, "--fsdp", "shard the model over all ranks with FSDP2 (one unit per encoder layer, then the root) "
+         "and compress its reduce-scatter (docs/fsdp.md)", show_default=False, action="store_const", const="fsdp",
+         dest="sharding")
+    flag(g, "--hsdp", "shard inside each node of --ranks-per-node ranks, replicate across nodes, and compress the "
+         "replica all-reduce (docs/fsdp.md)", show_default=False, action="store_const", const="hsdp", dest="sharding")
+    flag(g, "--ef-dtype", "--fsdp/--hsdp: the error memory's dtype (bf16: half the memory)", choices=("fp32", "bf16"))
     flag(g, "--intra-dtype", "the hierarchical exchange's wire dtype inside a node: native (the gradient's own dtype), "
          "fp16 or bf16", choices=("native", "fp16", "bf16"))
     flag(g, "--ranks-per-node", "workers per node: sim; local processes (--workers) and --netem hosts emulate "
@@ -184,6 +191,8 @@ def _under_launcher() -> bool:
 def _spawn(cfg: TrainConfig) -> int:
     """Start ``cfg.workers`` local ranks running this command, wait, report."""
     cfg.check_runtime()
+    if cfg.sharding == "hsdp":  # the node size against the world size this command starts
+        ranks_per_node(cfg.ranks_per_node or cfg.workers, cfg.workers)
     cfg = cfg.replace(out=cfg.out or cfg.default_out())
     check_out_dir(cfg)  # refuse before any process starts; reads only
     build_data(cfg, Runtime(device=torch.device("cpu"), rank=0, num_workers=1))  # warm the data cache once

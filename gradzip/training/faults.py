@@ -24,6 +24,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -133,7 +134,16 @@ class FaultPlan:
             g.view(-1)[0] = values[0]
             return g
 
-        handle = param.register_hook(poison)
+        if hasattr(param, "device_mesh"):  # FSDP2: the sharded parameter's hooks never fire; poison the
+            # gradient of its module's output instead, which backward carries into the parameter's gradient
+            owner = next(m for m in model.modules() if any(q is param for q in m.parameters(recurse=False)))
+
+            def on_output(_m: torch.nn.Module, _i: Any, out: torch.Tensor) -> None:
+                out.register_hook(poison)
+
+            handle = owner.register_forward_hook(on_output)
+        else:
+            handle = param.register_hook(poison)
         try:
             yield
         finally:

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from gradzip.comm.cost import allreduce_bytes
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import Synchronizer
 from gradzip.errors import TrainingError
@@ -57,6 +56,7 @@ from gradzip.training.progress import Progress
 from gradzip.training.rng import WorkerRNG, seed_everything
 from gradzip.training.runtime import build_data, create_runtime
 from gradzip.training.schedule import WarmupDecay
+from gradzip.training.sharding import fp32_reduction_bytes, shard_model
 from gradzip.training.sync import Stepper, make_synchronizer
 
 __all__ = ["TrainConfig", "train"]
@@ -82,6 +82,16 @@ def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runt
             precision.backward(res.loss / cfg.accumulation)
         losses += torch.stack([res.loss, res.mlm_loss, res.nsp_loss]).detach().double() / cfg.accumulation
     return tokens, samples
+
+
+def _build_model(cfg: TrainConfig, data: Any, runtime: Any) -> tuple[torch.nn.Module, Any]:
+    """BERT on the run's device; with ``--fsdp``/``--hsdp``, sharded (returns HSDP's replica group)."""
+    model = BertForPreTraining(bert_config(
+        cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len),
+        hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)).to(runtime.device)
+    if cfg.sharding == "none":
+        return model, None
+    return model, shard_model(model, cfg.sharding, runtime.num_workers, cfg.ranks_per_node, runtime.device)
 
 
 def _open_out(cfg: TrainConfig, runtime: Any) -> tuple[TrainConfig, Any]:
@@ -115,7 +125,8 @@ def _record(progress: dict[str, Any], sums: list[float], n: int, lr: float, stat
         compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
         bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
         clock=stats.clock, host_s=progress["host_s"], bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent),
-        skipped=bool(bad), syncs=stats.syncs, host_load=load, contended=contended)
+        skipped=bool(bad), syncs=stats.syncs, host_load=load, contended=contended,
+        **{f"bytes_{k}": v for k, v in (stats.by_collective or {}).items()})
 
 
 def _open_log(cfg: TrainConfig, out: Any, state: checkpoint.RunState, runtime: Any, data: Any,
@@ -128,9 +139,9 @@ def _open_log(cfg: TrainConfig, out: Any, state: checkpoint.RunState, runtime: A
         truncate_metrics(out / "metrics.jsonl", state.progress["step"])
     if runtime.is_main:
         write_toml(cfg, out / "config.toml")
-        if state.progress["step"] == 0 and cfg.eval_batches:
-            state.progress["initial_eval_loss"] = evaluate(state.model, data, cfg, precision,
-                                                           runtime.device).get("eval_loss")
+    if _evaluates(cfg, runtime) and state.progress["step"] == 0 and cfg.eval_batches:
+        state.progress["initial_eval_loss"] = evaluate(state.model, data, cfg, precision,
+                                                       runtime.device).get("eval_loss")
     sinks = open_sinks(parse_log(cfg.log), out, cfg.to_dict(), state.progress["step"]) if runtime.is_main else []
     batch = data.batch("train", step=0, worker=0, num_workers=runtime.num_workers, batch_size=cfg.batch_size,
                        seed=cfg.seed, mask_prob=cfg.mask_prob)
@@ -138,11 +149,17 @@ def _open_log(cfg: TrainConfig, out: Any, state: checkpoint.RunState, runtime: A
     return MetricsLog(out / "metrics.jsonl", enabled=runtime.is_main, sinks=sinks)
 
 
+def _evaluates(cfg: TrainConfig, runtime: Any) -> bool:
+    """Rank 0 evaluates; a sharded model's forward needs every rank (its all-gathers)."""
+    return runtime.is_main or cfg.sharding != "none"
+
+
 def _evaluate_into(rec: StepRecord, cfg: TrainConfig, state: checkpoint.RunState, runtime: Any, data: Any,
                    precision: Precision, last: int) -> None:
-    """The held-out loss into the step's record, when due (rank 0)."""
+    """The held-out loss into the step's record, when due (rank 0; sharded: every rank)."""
     step = rec.step
-    if runtime.is_main and cfg.eval_batches and (step == last or (cfg.eval_every and step % cfg.eval_every == 0)):
+    due = step == last or (cfg.eval_every and step % cfg.eval_every == 0)
+    if _evaluates(cfg, runtime) and cfg.eval_batches and due:
         ev = evaluate(state.model, data, cfg, precision, runtime.device)
         for k in EVAL_FIELDS:
             setattr(rec, k, ev.get(k))
@@ -167,7 +184,7 @@ def _summary(cfg: TrainConfig, out: Any, sync: Synchronizer, data: Any, n_params
              runtime: Any, last_schedule: tuple[int, StepStats, list[Any]] | None) -> dict[str, Any]:
     """``summary.json`` (from the whole metrics file, so resumed runs are covered) and ``schedule.json``."""
     info = {"model": cfg.model, "compressor": cfg.compressor, "sync": str(cfg.sync_spec), "exchange": sync.exchange,
-            "spec": sync.spec, "hierarchical": cfg.hierarchical, "backend": cfg.backend,
+            "spec": sync.spec, "hierarchical": cfg.hierarchical, "sharding": cfg.sharding, "backend": cfg.backend,
             "workers": runtime.num_workers, "bandwidth": cfg.bandwidth, "latency": cfg.latency,
             "optimizer": cfg.optimizer, "precision": cfg.precision, "batch_size": cfg.batch_size,
             "accumulation": cfg.accumulation, "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed,
@@ -178,7 +195,7 @@ def _summary(cfg: TrainConfig, out: Any, sync: Synchronizer, data: Any, n_params
     ref = data.unigram_reference()
     info.update(unigram_entropy=ref.entropy, top_token_rate=ref.top_rate, context_free_mlm_loss=ref.floor,
                 context_free_mlm_acc=ref.floor_acc)
-    none_bytes = allreduce_bytes(4 * n_params, runtime.num_workers)  # fp32 ring allreduce of every gradient
+    none_bytes = fp32_reduction_bytes(n_params, cfg.sharding, runtime.num_workers, cfg.ranks_per_node)
     summary = summarize(read_metrics(out / "metrics.jsonl"), info, none_bytes)
     write_summary(out, summary)
     if last_schedule is not None and last_schedule[2]:
@@ -201,15 +218,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # -- data and model (same seed: same initial weights on every rank) --------------------
         seed_everything(cfg.seed)
         data = build_data(cfg, runtime)
-        model = BertForPreTraining(bert_config(
-            cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len),
-            hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)).to(runtime.device)
+        model, replicas = _build_model(cfg, data, runtime)
         params = [p for p in model.parameters() if p.requires_grad]
 
         # -- optimizer, synchroniser (per-step exchange, or DiLoCo's rare syncs), LR schedule,
         # precision, per-worker RNG streams; then resume and the outputs --------------------------
         optimizer = build_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay, cfg.freeze_steps, cfg.momentum)
-        sync = make_synchronizer(cfg, model, optimizer, runtime)
+        sync = make_synchronizer(cfg, model, optimizer, runtime, replicas)
         schedule = WarmupDecay(optimizer, cfg.lr, cfg.warmup_steps, cfg.steps)
         precision = Precision(cfg.precision, runtime.device)
         stepper = Stepper(optimizer, params, precision, cfg.clip)

@@ -32,6 +32,10 @@ contended      true when this step shared its cores (a run with over 5% of its s
                threads, the process got under 60% of its usual CPU share, or its compute time was over
                1.5x the fastest of the last 20 steps (:class:`gradzip.host.HostMonitor`)
 host_s         real seconds since the run started, cumulative over resumes
+bytes_allgather  ``--fsdp``/``--hsdp`` only: ``bytes_sent`` split by collective: FSDP's parameter
+               all-gathers; ``bytes_reduce_scatter`` (1-D: gradzip's compressed reduce-scatter; HSDP:
+               FSDP's exact one inside the node); ``bytes_allreduce`` (HSDP: gradzip's compressed
+               all-reduce across the replicas, which is also ``bytes_inter``)
 eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``), masked-token
                accuracy ``eval_mlm_acc`` (top-1 over the masked positions) and ``eval_nsp_acc``
 =============  =========================================================================
@@ -89,6 +93,9 @@ class StepRecord:
     syncs: int = 1
     host_load: float = 0.0
     contended: bool = False
+    bytes_allgather: int | None = None
+    bytes_reduce_scatter: int | None = None
+    bytes_allreduce: int | None = None
     eval_loss: float | None = None
     eval_mlm_loss: float | None = None
     eval_nsp_loss: float | None = None
@@ -96,9 +103,10 @@ class StepRecord:
     eval_nsp_acc: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object; the eval fields only on steps that evaluated."""
+        """The JSON object; the eval fields only on steps that evaluated, the per-collective bytes
+        only in sharded runs."""
         d = asdict(self)
-        return {k: v for k, v in d.items() if not (k.startswith("eval_") and v is None)}
+        return {k: v for k, v in d.items() if not (k.startswith(("eval_", "bytes_a", "bytes_r")) and v is None)}
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -151,7 +159,8 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
     """``summary.json`` from the step records.
 
     ``uncompressed_bytes``: what one rank would send per step with ``none`` (fp32 ring allreduce
-    of every gradient); ``compression_ratio`` = that / the mean bytes actually sent per step
+    of every gradient; sharded runs: fp32 reductions, to which the measured all-gathers are added,
+    since compression leaves them alone); ``compression_ratio`` = that / the mean bytes actually sent per step
     (null with one worker, where nothing is sent).
     """
     n = len(records)
@@ -167,6 +176,7 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         vals = [r[key] for r in records if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
+    uncompressed = uncompressed_bytes + (mean("bytes_allgather") or 0.0)
     summary = {
         "final_loss": last.get("loss"),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
@@ -182,8 +192,8 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         "syncs": syncs,
         "bytes_per_sync": sent / syncs if syncs else None,
         "inter_bytes_per_step": sum(r.get("bytes_inter", r.get("bytes_sent", 0)) for r in records) / n if n else 0.0,
-        "uncompressed_bytes_per_step": uncompressed_bytes,
-        "compression_ratio": (uncompressed_bytes / bytes_per_step) if bytes_per_step > 0 else None,
+        "uncompressed_bytes_per_step": uncompressed,
+        "compression_ratio": (uncompressed / bytes_per_step) if bytes_per_step > 0 else None,
         "wall_s": wall,
         "host_s": last.get("host_s"),
         "step_s": mean("step_s"),
@@ -197,6 +207,9 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         "host_load_max": max((r.get("host_load") or 0.0 for r in records), default=0.0),
         "contended_steps": sum(1 for r in records if r.get("contended")),
     }
+    for op in ("allgather", "reduce_scatter", "allreduce"):  # sharded runs
+        if any(f"bytes_{op}" in r for r in records):
+            summary[f"{op}_bytes_per_step"] = mean(f"bytes_{op}")
     summary["contended"] = is_contended(summary["contended_steps"], n)
     if summary["contended"]:
         summary["warning"] = (f"{summary['contended_steps']} of {n} steps shared their cores with other processes "

@@ -5,7 +5,9 @@ Every mode implements :class:`gradzip.engine.synchronizer.Synchronizer`, so the 
 - ``--sync step`` (default): :class:`gradzip.engine.Engine`, the per-step compressed exchange,
   following the optimizer's exchange plan when it has one (1-bit Adam/LAMB, DeMo);
 - ``--sync diloco|localsgd``: :class:`gradzip.engine.diloco.DiLoCo`, inner steps on local
-  gradients and a compressed outer sync every H steps (fragments: Streaming DiLoCo).
+  gradients and a compressed outer sync every H steps (fragments: Streaming DiLoCo);
+- ``--fsdp``/``--hsdp``: :class:`gradzip.engine.fsdp_sync.FSDPSync`, FSDP2's reductions of the
+  sharded model (:mod:`gradzip.training.sharding`) compressed by :func:`gradzip.fsdp_compress`.
 
 A new mode adds one branch here and one class in :mod:`gradzip.engine`; the loop stays as it is.
 """
@@ -25,9 +27,17 @@ from gradzip.training.precision import Precision
 
 
 def make_synchronizer(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      runtime: Any) -> Synchronizer:
+                      runtime: Any, replicas: Any = None) -> Synchronizer:
     """The synchroniser of ``cfg.sync`` over ``runtime.target`` (a communicator or a sim world).
-    Every rank compares its settings (``cfg.agreement()``) with the others' at start-up."""
+    Every rank compares its settings (``cfg.agreement()``) with the others' at start-up. A sharded
+    model (``cfg.sharding``) gets FSDPSync; ``replicas``: HSDP's replica group."""
+    if cfg.sharding != "none":
+        from gradzip.engine.fsdp import fsdp_compress
+        from gradzip.engine.fsdp_sync import FSDPSync
+
+        ef_dtype = torch.bfloat16 if cfg.ef_dtype == "bf16" else None
+        return FSDPSync(model, fsdp_compress(model, cfg.spec, replicate=replicas, ef_dtype=ef_dtype,
+                                             timeout=cfg.timeout, agree=cfg.agreement()), runtime.rank)
     sync = cfg.sync_spec
     if sync.outer:  # the inner optimizer steps on local gradients; DiLoCo syncs every H steps
         return DiLoCo(model, optimizer, outer_sgd(model, sync), runtime.target, sync.every, cfg.spec,

@@ -1,0 +1,186 @@
+"""Sharded training behind the one synchronisation protocol: :class:`FSDPSync` drives a
+``fully_shard``-ed model whose gradient reductions :func:`gradzip.engine.fsdp.fsdp_compress` compresses.
+
+FSDP2 reduces the gradients inside backward (its reduce-scatter, and HSDP's replica all-reduce),
+so by the time :meth:`FSDPSync.synchronize` runs, each rank's ``p.grad`` already holds its shard
+of the averaged gradient. What the synchroniser adds is the protocol's bookkeeping:
+
+1. ``worker(rank)``: zero the gradients and open a compressor step
+   (:meth:`FSDPCompression.begin_step`), so that a skipped step undoes the error-memory updates
+   that backward made;
+2. ``no_sync()``: ``set_requires_gradient_sync(False)``, under which FSDP calls no reduction, so
+   gradient accumulation compresses once per optimizer step;
+3. ``synchronize()``: this rank's bytes by collective, times, and whether some reduction saw an
+   inf or NaN;
+4. ``commit(nonfinite)``: keep the step's compressor state and step the optimizer on the sharded
+   gradients, or (some rank saw inf/NaN) undo the state and drop the gradients on every rank.
+
+Bytes are counted per rank and per collective, as the engine counts them (ring cost,
+:mod:`gradzip.comm.cost`): ``allgather`` (FSDP's parameter all-gathers, forward and backward,
+counted by a pass-through wrapper of FSDP's own all-gather), ``reduce_scatter`` (1-D FSDP: gradzip's
+chunked alltoall in place of the reduce-scatter; HSDP: FSDP's exact reduce-scatter inside the node,
+counted from its input size) and ``allreduce`` (HSDP: gradzip's compressed all-reduce across the replicas).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradzip.cluster.sharded import chunkable
+from gradzip.comm.cost import reduce_scatter_bytes
+from gradzip.engine.fsdp import FSDPCompression, _rs_group
+from gradzip.engine.stats import StepStats
+from gradzip.engine.synchronizer import OptimizerStep
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - torch without FSDP2's custom collectives
+    _AllGatherBase = _ReduceScatterBase = object  # type: ignore[assignment,misc]
+
+
+class _Counted:
+    """Bytes this rank sent through one kind of FSDP's own collectives."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+
+class _CountingAllGather(_AllGatherBase):  # type: ignore[misc,valid-type]
+    """FSDP's own all-gather, unchanged, with this rank's bytes counted: (n−1)·input, a ring's."""
+
+    def __init__(self, inner: Any, counter: _Counted) -> None:
+        self.inner, self.counter = inner, counter
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False) -> Any:
+        n = dist.get_world_size(group)
+        self.counter.bytes += (n - 1) * input_tensor.numel() * input_tensor.element_size()
+        self.counter.calls += 1
+        return self.inner(output_tensor, input_tensor, group, async_op=async_op)
+
+
+class _CountingReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
+    """FSDP's own reduce-scatter (HSDP's, inside the node), unchanged, with its bytes counted."""
+
+    def __init__(self, inner: Any, counter: _Counted) -> None:
+        self.inner, self.counter = inner, counter
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        n = dist.get_world_size(group)
+        self.counter.bytes += reduce_scatter_bytes(input_tensor.numel() * input_tensor.element_size(), n)
+        self.counter.calls += 1
+        return self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
+
+
+class FSDPSync:
+    """The :class:`gradzip.engine.synchronizer.Synchronizer` of a sharded model (module docstring).
+
+    ``comp`` is the model's :class:`FSDPCompression`; ``rank`` this process's global rank."""
+
+    def __init__(self, model: nn.Module, comp: FSDPCompression, rank: int) -> None:
+        self.model, self.comp = model, comp
+        self.worker_ids = [rank]
+        self.spec = comp.spec
+        self.hsdp = comp._scheme is not None
+        self.last_schedule: list[Any] = []
+        self._gathered, self._scattered = _Counted(), _Counted()
+        self._saved = [(pg._all_gather_comm, pg._reduce_scatter_comm) for _, pg in comp._units]
+        for _, pg in comp._units:
+            pg._all_gather_comm = _CountingAllGather(pg._all_gather_comm, self._gathered)
+            if self.hsdp:  # the intra-node reduce-scatter stays FSDP's own: count it
+                pg._reduce_scatter_comm = _CountingReduceScatter(pg._reduce_scatter_comm, self._scattered)
+        self._t0 = time.perf_counter()
+        self._mark = self._marks()
+
+    @property
+    def exchange(self) -> str:
+        if self.comp._scheme is not None:  # HSDP: the replica all-reduce's scheme
+            return self.comp._scheme.scheme
+        return "reduce-scatter" if chunkable(self.comp.compressor) else self.comp.compressor.exchange
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each parameter is sharded over."""
+        return int(_rs_group(self.comp._units[0][1]).size()) if self.comp._units else 1
+
+    def _marks(self) -> dict[str, float]:
+        """Cumulative counters this rank's step figures are differences of."""
+        comms = [c for _, c in self.comp._comms]
+        return {"allgather": self._gathered.bytes, "gradzip": sum(c.stats.bytes_sent for c in comms),
+                "recv": sum(c.stats.bytes_recv for c in comms), "scatter": self._scattered.bytes,
+                "link_s": sum(c.stats.seconds for c in comms), "reduce_s": self.comp.reduce_s}
+
+    # ------------------------------------------------------------------ the Synchronizer protocol
+    @contextlib.contextmanager
+    def worker(self, wid: int) -> Iterator[None]:
+        self.model.zero_grad(set_to_none=True)
+        self.comp.begin_step()
+        self._mark = self._marks()  # evaluation's all-gathers since the last step are no step's
+        self._t0 = time.perf_counter()
+        yield
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def after_backward(self, stepper: OptimizerStep) -> None:
+        """Nothing: FSDP reduced the gradients inside backward."""
+
+    def synchronize(self) -> StepStats:
+        """This step's bytes by collective and its times (wall clock). ``compress_s``: gradzip's
+        encodes and decodes; ``comm_s``: its collectives' time; ``compute_s``: the rest of forward
+        and backward, FSDP's own all-gathers (and HSDP's intra-node reduce-scatter) included."""
+        step_s = time.perf_counter() - self._t0
+        now, was = self._marks(), self._mark
+        self._mark = now
+        d = {k: now[k] - was[k] for k in now}
+        rs, ar = (d["scatter"], d["gradzip"]) if self.hsdp else (d["gradzip"], 0)
+        by = {"allgather": int(d["allgather"]), "reduce_scatter": int(rs), "allreduce": int(ar)}
+        sent = sum(by.values())
+        comm_s = min(d["link_s"], d["reduce_s"])
+        return StepStats(compute_s=max(0.0, step_s - d["reduce_s"]), compress_s=d["reduce_s"] - comm_s,
+                         comm_s=comm_s, bytes_sent=sent, bytes_recv=int(d["recv"] + d["allgather"] + rs * self.hsdp),
+                         step_s=step_s, clock="measured", link_s=d["link_s"], buckets=len(self.comp._units),
+                         intra_bytes_sent=sent - by["allreduce"] if self.hsdp else 0,
+                         nonfinite=int(self.comp.nonfinite > 0), by_collective=by)
+
+    def commit(self, nonfinite: int, stepper: OptimizerStep) -> float:
+        """Step on the sharded gradients, or undo the step on every rank (``nonfinite`` > 0)."""
+        if nonfinite:
+            self.comp.end_step(keep=False)
+            for p in self.model.parameters():
+                p.grad = None
+            stepper.skip()
+            return float("nan")
+        self.comp.end_step(keep=True)
+        return stepper.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fsdp": self.comp.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.comp.load_state_dict(state["fsdp"])
+
+    def detach(self) -> None:
+        for (_, pg), (ag, rs) in zip(self.comp._units, self._saved):
+            pg._all_gather_comm, pg._reduce_scatter_comm = ag, rs
+        self.comp.remove()
