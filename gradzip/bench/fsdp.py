@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="mini", help="BERT size: tiny, mini, ... (default: mini)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration (default: 20)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
-    parser.add_argument("--compressor", nargs="+", default=DEFAULT_COMPRESSORS, metavar="SPEC",
-                        help="compressors compared with none (default: fp16 onebit topk:ratio=0.01,ef=true)")
+    parser.add_argument("--compressor", nargs="+", action="extend", metavar="SPEC",
+                        help="compressors compared with none, one or more per flag, the flag repeatable "
+                             "(default: fp16 onebit topk:ratio=0.01,ef=true)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per worker (default: 8)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (default: 64)")
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size (default: 2048)")
@@ -83,7 +84,7 @@ def _rank_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     comm = init_communicator("gloo", timeout=600.0)
     rank = comm.rank
-    names = ["fsdp2", "none", *args.compressor]
+    names = ["fsdp2", "none", *[c for c in args.compressor if c != "none"]]  # none: always, once
     proto = build_model(args)
     batch = make_batch(proto, args.batch, args.seq, seed=rank)
     models, opts, comps = {}, {}, {}
@@ -143,6 +144,7 @@ def _validate(args: argparse.Namespace) -> None:
         build_model(args)
     except (KeyError, ValueError) as e:
         raise GradzipError(f"--model: {e}") from None
+    args.compressor = args.compressor or list(DEFAULT_COMPRESSORS)
     for spec in args.compressor:
         try:
             check_compressor(spec)
