@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("gradzip.experiments.sweep", "run every cell of an experiment spec (TOML)"),
     "run": ("gradzip.experiments.run_cli", "run a spec that ships with gradzip (--list to list them)"),
     "plot": ("gradzip.plots.cli", "draw figures and the results table of a run or sweep"),
+    "export": ("gradzip.training.export_cli", "write a run's checkpoint as a Hugging Face model directory"),
     "bench": ("gradzip.bench.cli", f"benchmarks: {', '.join(BENCHMARKS)}"),
     "ls": ("gradzip.ls", "list the registered compressors"),
     "simulate": ("gradzip.cluster.simulate_cli", "predict step time of a large cluster (cost model)"),
