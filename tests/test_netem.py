@@ -433,3 +433,71 @@ def test_two_hosts_with_two_ranks_each(prefix, corpus, tmp_path):
     intra = 4 * 3 * (s["bytes_per_step"] - s["inter_bytes_per_step"])  # what the veth would add if it carried it
     assert intra > s["accounted_bytes"] / 2 and s["wire_bytes"] < s["accounted_bytes"] + intra / 4
     assert min(s["wire_bytes_by_host"]) > 0 and ours(prefix) == []  # both hosts sent; the run's testbed is gone
+
+
+# -- reshape --trace: a link whose rate changes over time -----------------------------------------
+def test_trace_rows_and_bad_rows():
+    from gradzip.errors import GradzipError
+    from gradzip.netem.trace import default_period, parse_trace
+
+    pts = parse_trace("# a link that drops\ntime_s, rate\n0, 10gbit\n30 100mbit 1ms\n60, 10gbit, 0, 0.5\n")
+    assert [(p.t, p.shaping.rate_bps) for p in pts] == [(0, 10e9), (30, 100e6), (60, 10e9)]
+    assert pts[1].shaping.delay_s == pytest.approx(1e-3) and pts[2].shaping.loss_pct == 0.5
+    assert default_period(pts) == 90
+    for text, needle in (("5, 1gbit\n", "first row must be at time 0"), ("0, 1gbit\n0, 2gbit\n", "times must increase"),
+                         ("0, fast\n", "trace:1"), ("0\n", "expected 'time, rate"), ("", "no rows"),
+                         ("0, 1gbit\n-3, 1gbit\n", "seconds >= 0")):
+        with pytest.raises(GradzipError, match=needle) as e:
+            parse_trace(text)
+        assert "\n" not in str(e.value)
+
+
+def test_trace_playback_applies_each_row_at_its_time_and_logs_it(tmp_path):
+    from gradzip.netem.trace import parse_trace, play
+
+    now = [0.0]
+    applied: list[tuple[float, float]] = []
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    pts = parse_trace("0, 10gbit\n30, 100mbit\n")
+    log = tmp_path / "link.jsonl"
+    n = play(pts, lambda sh: applied.append((now[0], sh.rate_bps)), log, clock=lambda: now[0], sleep=sleep)
+    assert n == 2 and applied == [(0.0, 10e9), (30.0, 100e6)]
+    rows = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(r["t"], r["rate_bps"]) for r in rows] == [(0.0, 10e9), (30.0, 100e6)]
+    # --repeat: passes of --period seconds, until the apply callback stops it (here: 5 changes)
+    applied.clear()
+    now[0] = 0.0
+
+    class Enough(Exception):
+        pass
+
+    def apply(sh):
+        if len(applied) == 5:
+            raise Enough
+        applied.append((now[0], sh.rate_bps))
+
+    with pytest.raises(Enough):
+        play(pts, apply, repeat=True, period=60, clock=lambda: now[0], sleep=sleep)
+    assert [t for t, _ in applied] == [0, 30, 60, 90, 120]
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_reshape_trace_reshapes_the_running_testbed(prefix, tmp_path):
+    tb.up(2, Shaping(100e6), prefix=prefix)
+    try:
+        trace = tmp_path / "link.txt"
+        trace.write_text("0, 40mbit\n1, 20mbit\n")
+        p = gradzip("netem", "reshape", "--prefix", prefix, "--trace", str(trace), "--log", str(tmp_path / "l.jsonl"))
+        assert p.returncode == 0, p.stderr
+        assert "played 2 change(s)" in p.stdout
+        assert tb.status(prefix)["shaping"]["rate_bps"] == 20e6
+        rows = [json.loads(x) for x in (tmp_path / "l.jsonl").read_text().splitlines()]
+        assert [r["rate_bps"] for r in rows] == [40e6, 20e6] and rows[1]["t"] >= 1.0
+        bad = gradzip("netem", "reshape", "--prefix", prefix, "--rate", "1gbit", "--trace", str(trace))
+        assert bad.returncode == 2 and "give --rate (one change) or --trace FILE" in bad.stderr
+    finally:
+        tb.down(prefix)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from gradzip.netem import testbed
+from gradzip.errors import GradzipError
+from gradzip.netem import testbed, trace
 from gradzip.units import parse_bandwidth, parse_latency
 
 EPILOG = """\
@@ -21,6 +23,7 @@ Nothing is added to the root namespace and no traffic leaves the machine.
 Run a command on host i:  ip netns exec gz-hI COMMAND
 Examples:
   gradzip netem up --hosts 4 --rate 1gbit --delay 0.1ms
+  gradzip netem reshape --trace link.txt --log link.jsonl   # rows of 'time_s, rate'
   gradzip netem status
   gradzip netem down
 """
@@ -44,10 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(name, help=help_)
         if name == "status":
             p.add_argument("--json", action="store_true", help="machine-readable output")
-    pr = sub.add_parser("reshape", help="change the shaping of the running testbed")
-    pr.add_argument("--rate", required=True)
+    pr = sub.add_parser("reshape", help="change the shaping of the running testbed, once (--rate) or over time "
+                        "(--trace FILE of 'time, rate[, delay[, loss]]' rows)")
+    pr.add_argument("--rate", help="egress rate of every host, e.g. 100mbit")
     pr.add_argument("--delay", default="0")
     pr.add_argument("--loss", default="0")
+    pr.add_argument("--trace", metavar="FILE", help="play FILE's rows: at each row's time (seconds from now) "
+                    "apply its rate, delay and loss (gradzip.netem.trace)")
+    pr.add_argument("--repeat", action="store_true",
+                    help="--trace: start over after --period seconds, until interrupted")
+    pr.add_argument("--period", type=float, help="--trace --repeat: seconds per pass (default: the last row's time "
+                    "plus the gap before it)")
+    pr.add_argument("--log", metavar="FILE", help="--trace: append each change as a JSON line (time, rate) to FILE")
     for p in (pu, pr, *(sub.choices[n] for n in ("status", "down"))):
         p.add_argument("--prefix", default=testbed.DEFAULT_PREFIX,
                        help="name prefix of the namespaces (default %(default)s), for several testbeds")
@@ -63,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
         tb, what = testbed.up(args.hosts, _shaping(args), args.prefix, args.subnet, args.mtu)
         print(f"testbed {tb.prefix}: {what}: {tb.hosts} hosts {tb.host_addr(0)}..{tb.host_addr(tb.hosts - 1)}, "
               f"egress {tb.shaping.describe()} per host")
+        return 0
+    if cmd == "reshape" and (args.trace is None) == (args.rate is None):
+        raise GradzipError("gradzip netem reshape: give --rate (one change) or --trace FILE (changes over time)")
+    if cmd == "reshape" and args.trace is not None:
+        points = trace.read_trace(args.trace)  # a bad trace fails before the testbed is touched
+        log = Path(args.log) if args.log else None
+        n = trace.play(points, lambda sh: testbed.reshape(args.prefix, sh), log, args.repeat, args.period)
+        print(f"testbed {args.prefix}: played {n} change(s) of {args.trace}" + (f"; log: {log}" if log else ""))
         return 0
     if cmd == "reshape":
         tb = testbed.reshape(args.prefix, _shaping(args))
