@@ -243,6 +243,18 @@ def exchange(comp: Compressor, buckets: tuple[BucketShape, ...], ready: list[flo
     return ex
 
 
+def ready_times(buckets: tuple[BucketShape, ...], work: Workload) -> tuple[float, float, list[float]]:
+    """(compute, backward of the last micro-batch, each bucket's ready time) of one step. The one
+    overlap rule (cluster.schedule): buckets complete in order through the last ``overlap`` fraction
+    of the last micro-batch's backward, each when its gradients are done."""
+    compute = work.tokens_per_step / work.tokens_per_second
+    backward = work.backward_fraction * compute / work.accumulation
+    total_numel = sum(b.numel for b in buckets) or 1
+    ready = [compute - work.overlap * backward * (1.0 - done / total_numel)
+             for done in itertools.accumulate(b.numel for b in buckets)]
+    return compute, backward, ready
+
+
 def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost | None = None,
             tokens: float | None = None, epochs: float = 1.0, sync: str | SyncSpec | None = None,
             memory_bps: float | None = None) -> Prediction:
@@ -256,13 +268,7 @@ def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost | None = No
     buckets, params = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
                                     separate_small_for(comp), work.grad_dtype)
     n = cl.workers
-    compute = work.tokens_per_step / work.tokens_per_second
-    backward = work.backward_fraction * compute / work.accumulation
-    total_numel = sum(b.numel for b in buckets) or 1
-    # The one overlap rule (cluster.schedule): buckets complete in order through the last
-    # `overlap` fraction of the last micro-batch's backward, each when its gradients are done.
-    ready = [compute - work.overlap * backward * (1.0 - done / total_numel)
-             for done in itertools.accumulate(b.numel for b in buckets)]
+    compute, backward, ready = ready_times(buckets, work)
     ex = exchange(comp, buckets, ready, work, cl, codec)
     modelled = model_step(compute, ex.timings)
     compress, comm, exposed, step = modelled.compress_s, modelled.link_s, modelled.comm_s, modelled.step_s

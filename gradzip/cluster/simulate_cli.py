@@ -12,11 +12,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gradzip.cluster import sharded, simulate
+from gradzip.cluster.auto import plan
 from gradzip.cluster.network import ALGORITHMS, Cluster, CodecCost
 from gradzip.cluster.simulate import DTYPES, Prediction, Workload, parse_sync, predict
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError
 from gradzip.models import MODEL_SIZES
+from gradzip.plan.auto import AutoSpec, is_auto, parse_auto
 from gradzip.units import parse_bandwidth, parse_latency
 
 
@@ -227,6 +229,11 @@ def run(args: argparse.Namespace) -> int:
     specs = args.compressor or ["none"]
     syncs = [(text.strip(), parse_sync(text)) for text in args.sync or ["step"]]
     mode = _sharded_mode(args, cl, syncs)
+    autos = [parse_auto(s) for s in specs if is_auto(s)]
+    if autos:
+        if mode is not None or args.sync is not None:
+            raise GradzipError("--compressor auto plans the per-step DDP exchange; drop --fsdp/--hsdp/--sync for it")
+        return run_auto(args, work, cl, autos)
     if mode is not None:
         return run_sharded(args, mode, work, cl, specs)
     memory = None if args.memory_bandwidth is None else _bandwidth(args.memory_bandwidth, "--memory-bandwidth")
@@ -269,6 +276,44 @@ def print_table(args: argparse.Namespace, work: Workload, cl: Cluster,
     if with_sync:
         print("Per step (diloco, localsgd: means over a period of H steps); util. = compute / step.\n"
               "MB/sync: one exchange (one fragment); sync+: what one period's exchanges add to its H steps.")
+
+
+# ------------------------------------------------------------------------------ --compressor auto
+def run_auto(args: argparse.Namespace, work: Workload, cl: Cluster, autos: list[AutoSpec]) -> int:
+    """Each auto spec's plan per bucket, its predicted step, and each allowed candidate alone beside it."""
+    out = []
+    for auto in autos:
+        codecs = {c: codec_for(c, args.encode_cost, args.aggregate_cost) for c in ("none", *auto.allowed)}
+        p = plan(auto, work, cl, codecs)
+        out.append({"spec": auto.spec, "choice": p.choice, "numels": p.numels, "step_s": p.step_s,
+                    "comm_s": p.comm_s, "efficiency": p.compute_s / p.step_s, "fixed_step_s": p.fixed,
+                    "none_is_best": p.none_is_best})
+    if args.json:
+        json.dump({"cluster": asdict(cl), "workload": asdict(work), "auto": out}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{work.model}: {cl.nodes} nodes x {cl.gpus_per_node} GPUs = {cl.workers} workers; {args.inter_bandwidth} "
+          f"between nodes, {args.intra_bandwidth} inside; {work.tokens_per_step} tokens per GPU per step at "
+          f"{work.tokens_per_second:g} tokens/s")
+    for row in out:
+        print(f"\n{row['spec']}: plan per bucket (the engine's buckets, in launch order; runs of one choice)")
+        print(f"  {'buckets':>9} {'elements':>13}  candidate")
+        i = 0
+        while i < len(row["choice"]):
+            j = i
+            while j + 1 < len(row["choice"]) and row["choice"][j + 1] == row["choice"][i]:
+                j += 1
+            span = f"{i}" if i == j else f"{i}-{j}"
+            print(f"  {span:>9} {sum(row['numels'][i:j + 1]):>13,}  {row['choice'][i]}")
+            i = j + 1
+        compute = row["step_s"] * row["efficiency"]
+        print(f"  predicted step {row['step_s'] * 1e3:.0f} ms (exposed comm {row['comm_s'] * 1e3:.0f} ms), "
+              f"efficiency {row['efficiency']:.0%}; each candidate alone:")
+        for c, t in row["fixed_step_s"].items():
+            print(f"    {c:<28} {t * 1e3:>8.0f} ms  {compute / t:>4.0%}")
+        if row["none_is_best"]:
+            print("  no candidate is predicted faster than none on this link: auto sends every bucket uncompressed")
+    return 0
 
 
 # ------------------------------------------------------------------------------ --fsdp, --hsdp

@@ -36,6 +36,7 @@ from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
 from gradzip.models import bert_config
 from gradzip.netem.spec import parse_netem
+from gradzip.plan.auto import is_auto
 from gradzip.plan.sync import SyncSpec, parse_sync
 from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
@@ -299,6 +300,9 @@ class TrainConfig:
 
     def _check_names(self, source: str) -> None:
         """The model and compressor names are known ."""
+        if is_auto(self.compressor):
+            raise GradzipError(f"{_pre(source)}--compressor auto: gradzip train does not run the adaptive policy yet; "
+                               "see the plan it would make with gradzip simulate --compressor auto (docs/auto.md)")
         try:
             create(self.spec)
         except SpecError as e:
