@@ -1,6 +1,5 @@
-"""The gradient-exchange engine: attach compression + communication to any ``nn.Module``.
-
-Usage (one process per rank; with a :class:`SimWorld` one process hosts every worker)::
+"""The gradient-exchange engine: attach compression + communication to any ``nn.Module``. Usage (one process
+per rank; with a :class:`SimWorld` one process hosts every worker)::
 
     engine = attach(model, "topk:ratio=0.01,ef=true", comm)   # comm: a Communicator or a SimWorld
     for step in range(steps):
@@ -26,18 +25,17 @@ Per step, on each worker:
    waves over the buckets in index order: wait for a bucket's current round, then launch its next
    round (PowerSGD) or decode it and write the average into ``p.grad``.
 
-Granularity: element-wise compressors get each bucket as one flat tensor; compressors that
-override ``compress_batch`` (PowerSGD: per matrix, batched by shape) get the bucket's per-parameter
-views. A parameter unused by every worker gets a zero gradient (not ``None``), on every backend.
+Granularity: element-wise compressors get each bucket as one flat tensor; compressors that override
+``compress_batch`` (PowerSGD: per matrix, batched by shape) get the bucket's per-parameter views. A parameter
+unused by every worker gets a zero gradient (not ``None``), on every backend.
 
-Non-finite gradients: every bucket's local gradient is summed (in fp32, one read pass, no host
-sync) as it launches, and :meth:`Engine.finalize` reports in ``StepStats.nonfinite`` how many of
-this process's workers saw an inf or NaN (a finite gradient whose fp32 sum overflows, entries
-near 1e38, counts too: Adam's squared gradient would overflow long before). The compressors'
-state updates of a step (error memory, PowerSGD's Q, counters) stay undoable until the next step
-starts: when any rank's gradient was not finite, every rank calls :meth:`Engine.skip_step`
-instead of the optimizer, and the step leaves no trace in the model, the optimizer or the
-compressors::
+Non-finite gradients: every bucket's local gradient is summed (in fp32, one read pass, no host sync) as it
+launches, and :meth:`Engine.finalize` reports in ``StepStats.nonfinite`` how many of this process's workers saw
+an inf or NaN (a finite gradient whose fp32 sum overflows, entries near 1e38, counts too: Adam's squared
+gradient would overflow long before). The compressors' state updates of a step (error memory, PowerSGD's Q,
+counters) stay undoable until the next step starts: when any rank's gradient was not finite, every rank calls
+:meth:`Engine.skip_step` instead of the optimizer, and the step leaves no trace in the model, the optimizer or
+the compressors::
 
     stats = engine.finalize()
     if engine.agree_finite(stats):   # one tiny allreduce (sim: none); gradzip train folds
@@ -45,18 +43,18 @@ compressors::
     else:
         engine.skip_step()
 
-Optimizers that compress something other than the gradient (1-bit Adam and 1-bit LAMB exchange
-the momentum, DeMo a scaled gradient: :mod:`gradzip.optim`) give an :class:`ExchangePlan` at the
-start of every step through :meth:`Engine.bind_optimizer`: exchange uncompressed (their warm-up),
-or transform each bucket's local gradient in place before it is compressed.
+Optimizers that compress something other than the gradient (1-bit Adam and 1-bit LAMB exchange the momentum,
+DeMo a scaled gradient: :mod:`gradzip.optim`) give an :class:`ExchangePlan` at the start of every step through
+:meth:`Engine.bind_optimizer`: exchange uncompressed (their warm-up), or transform each bucket's local gradient
+in place before it is compressed.
 
-``no_sync()`` makes the hooks do nothing: gradients accumulate in ``.grad`` and are exchanged on
-the next backward outside ``no_sync()`` (gradient accumulation, as DDP's ``no_sync``).
+``no_sync()`` makes the hooks do nothing: gradients accumulate in ``.grad`` and are exchanged on the next
+backward outside ``no_sync()`` (gradient accumulation, as DDP's ``no_sync``).
 
-Time: real backends report measured wall times (exposed communication: the time in ``finalize``
-beyond the engine's own work); ``sim`` reports the virtual clock of :mod:`gradzip.cluster.schedule`,
-built from local work timed in CPU time (``comm.work_time``). ``bucket_cap_mb`` trades overlap
-against per-collective latency (25 MiB is DDP's default); ``min_compress_numel`` below ~1000 rarely pays.
+Time: real backends report measured wall times (exposed communication: the time in ``finalize`` beyond the
+engine's own work); ``sim`` reports the virtual clock of :mod:`gradzip.cluster.schedule`, built from local work
+timed in CPU time (``comm.work_time``). ``bucket_cap_mb`` trades overlap against per-collective latency (25 MiB
+is DDP's default); ``min_compress_numel`` below ~1000 rarely pays.
 """
 
 from __future__ import annotations
@@ -116,7 +114,6 @@ class Engine:
                                       separate_small=not base.identity)
         self._empty = [p for p in self._trainable if p.numel() == 0]
         self._plain = NoCompression()
-        self._per_tensor = base.per_tensor
         self._workers = [_Worker(c.rank, c, comp, self.buckets) for c, comp in zip(comms, compressors)]
         self._current: _Worker | None = None
         self._no_sync = False
@@ -276,8 +273,8 @@ class Engine:
         return stepper.step(clip=not self._grad_is_update)
 
     def agree_finite(self, stats: StepStats) -> bool:
-        """True when every rank's gradient of the step that ``stats`` reports was finite. Real
-        backends: one allreduce of one number (its bytes count in the next step's stats); sim: local."""
+        """True when every rank's gradient of the step that ``stats`` reports was finite. Real backends: one
+        allreduce of one number (its bytes count in the next step's stats); sim: local."""
         bad = float(stats.nonfinite)
         if not self.sim and self.world_size > 1:
             t = torch.tensor([bad], dtype=torch.float32, device=self.buckets[0].device)
@@ -286,9 +283,8 @@ class Engine:
         return bad == 0
 
     def skip_step(self) -> None:
-        """Undo the step :meth:`finalize` just ended: every compressor's state goes back to what it
-        was before the step, and the averaged gradients are dropped (``p.grad = None``), so that an
-        optimizer step by mistake changes nothing either. Call it on every rank, or on none."""
+        """Undo the step :meth:`finalize` just ended: compressor states go back to the step's start and ``p.grad``
+        is dropped (None), so a mistaken optimizer step changes nothing. Call it on every rank, or on none."""
         for w in self._workers:
             self._settle(w, keep=False)
         for p in self._trainable:
@@ -328,8 +324,8 @@ class Engine:
         self._hooks = []
 
     def __repr__(self) -> str:
-        mode = f"sim x{self.num_workers}" if self.sim else f"rank {self.comm.rank}/{self.world_size}"
-        return f"<Engine {self.spec} {mode} {len(self.buckets)} buckets>"
+        where = f"sim x{self.num_workers}" if self.sim else f"rank {self.comm.rank}/{self.world_size}"
+        return f"<Engine {self.spec} {where} {len(self.buckets)} buckets>"
 
     # ------------------------------------------------------------------ hooks
     def _lookup(self, wid: int) -> _Worker:
@@ -385,9 +381,9 @@ class Engine:
             if self.transform is not None:
                 self.transform(b, buf)
             w.sums.append(torch.sum(buf, dtype=torch.float32))
-            comp = w.compressor if b.compressed and self.compressing else self._plain
-            tensors = unflatten(buf, b.shapes) if b.compressed and self._per_tensor else [buf]
-            ex = w.scheme.exchange(comp, tensors, b.key)
+            comp, scheme = self._select(w, b)
+            tensors = unflatten(buf, b.shapes) if comp.per_tensor else [buf]
+            ex = scheme.exchange(comp, tensors, b.key)
             t_enc = self._now()
             ex.start()
             w.exchanges[b.index] = ex
@@ -472,9 +468,13 @@ class Engine:
         w.marks.append(("compute", "decode" if last else "between", waited, t1, bi, None if last else rnd))
         w.launched[bi] = t1
 
+    def _select(self, w: _Worker, b: Bucket) -> tuple[Compressor, Any]:
+        """Bucket ``b``'s compressor and exchange scheme this step (the auto policy: its plan's)."""
+        return (w.compressor if b.compressed and self.compressing else self._plain), w.scheme
+
     def _write_back(self, b: Bucket, result: list[Tensor]) -> None:
-        parts = unflatten(result[0], b.shapes) if len(result) == 1 and not (b.compressed and self._per_tensor) \
-            else result
+        per_tensor = len(result) == len(b.shapes) and all(r.shape == s for r, s in zip(result, b.shapes))
+        parts = result if per_tensor else unflatten(result[0], b.shapes)
         for p, avg in zip(b.params, parts):
             if p.grad is None:
                 p.grad = avg.detach().clone()

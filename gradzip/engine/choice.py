@@ -1,0 +1,178 @@
+"""A compressor per bucket: :class:`ChoiceEngine`, the engine the ``auto`` policy steers.
+
+The engine exchanges every compressed bucket with one compressor. A ``ChoiceEngine`` holds several
+candidates (each worker its own instance of each, so each keeps its own state) and exchanges
+bucket i with the candidate :meth:`ChoiceEngine.assign` gave it; small tensors stay uncompressed,
+as always. Everything else is the engine's: hooks, overlap, the non-finite skip, timings.
+
+Switching a bucket keeps error feedback sound. When bucket i moves from candidate A to B:
+
+1. A's worker memory of the bucket (the residual of what A did not send) is taken out of A
+   (``A.forget``), on every worker;
+2. it is added, once, to the bucket's next gradient before B compresses it, whatever B is: with
+   memory (B then keeps what it does not send in its own memory) or without (``none``, ``fp16``:
+   the residual is sent in full).
+
+So no residual is lost or counted twice: over any run, what the workers sent plus what their
+memories hold equals the sum of their gradients, across switches. A step that is skipped (inf/NaN
+on some rank) also puts back the residual it had taken. ``twophase`` server memory and the
+hierarchical exchange are not supported by switching (a chunk's server memory belongs to one rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradzip.comm.base import Communicator
+from gradzip.comm.sim import SimWorld
+from gradzip.compress.base import Compressor
+from gradzip.compress.registry import create
+from gradzip.engine.config import EngineConfig
+from gradzip.engine.engine import Engine
+from gradzip.engine.schemes import SchemeState
+from gradzip.engine.worker import _Worker
+from gradzip.errors import GradzipError
+from gradzip.plan.buckets import Bucket
+
+
+def _canonical(spec: str) -> str:
+    try:
+        return create(spec).spec
+    except GradzipError:
+        return spec
+
+
+class _Choice:
+    """One worker's candidates, their schemes, and the residuals waiting for a bucket's next step.
+    It is one of the worker's stateful parts: a skipped step puts back the residuals it took."""
+
+    def __init__(self, w: _Worker, specs: tuple[str, ...]) -> None:
+        self.candidates: dict[str, Compressor] = {}
+        self.schemes: dict[str, SchemeState] = {}
+        for spec in specs:
+            if spec == w.compressor.spec:  # the engine's own compressor is this candidate
+                self.candidates[spec], self.schemes[spec] = w.compressor, w.scheme
+            else:
+                self.candidates[spec] = c = create(spec)
+                self.schemes[spec] = SchemeState(c, w.comm)
+        self.pending: dict[str, Tensor] = {}
+        self._taken: dict[str, Tensor] | None = None
+
+    def stateful(self) -> list[Any]:
+        out: list[Any] = [self]
+        for spec, c in self.candidates.items():
+            out += [c, *self.schemes[spec].compressors()]
+        return out
+
+    def take(self, key: str) -> Tensor | None:
+        r = self.pending.pop(key, None)
+        if r is not None and self._taken is not None:
+            self._taken[key] = r
+        return r
+
+    def begin_step(self) -> None:
+        self._taken = {}
+
+    def end_step(self, keep: bool) -> None:
+        taken, self._taken = self._taken, None
+        if not keep and taken:
+            self.pending.update(taken)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pending": {k: v.clone() for k, v in self.pending.items()},
+                "candidates": {s: c.state_dict() for s, c in self.candidates.items()},
+                "schemes": {s: sc.state_dict() for s, sc in self.schemes.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = {str(k): v.clone() for k, v in state.get("pending", {}).items()}
+        for s, sd in state.get("candidates", {}).items():
+            self.candidates[s].load_state_dict(sd)
+        for s, sd in state.get("schemes", {}).items():
+            self.schemes[s].load_state_dict(sd)
+
+
+class ChoiceEngine(Engine):
+    """The engine with a candidate per bucket (module docstring). ``candidates``: compressor specs,
+    the first the initial choice of every bucket."""
+
+    def __init__(self, model: torch.nn.Module, candidates: tuple[str, ...] | list[str], comm: Communicator | SimWorld,
+                 config: EngineConfig | None = None) -> None:
+        if not candidates:
+            raise GradzipError("ChoiceEngine: give at least one candidate compressor spec")
+        if config is not None and config.hierarchical:
+            raise GradzipError("choosing a compressor per bucket does not support the hierarchical exchange yet; "
+                               "drop --hierarchical")
+        comps = [create(c) for c in candidates]
+        bad = [c.spec for c in comps if c.exchange == "twophase"]
+        if bad:
+            raise GradzipError(f"candidate {bad[0]!r}: twophase keeps server memory per rank, which cannot follow a "
+                               "bucket to another compressor; use its own collective (drop exchange=twophase)")
+        # Small tensors apart (as for any compressor but none), whichever candidate comes first.
+        base = next((c for c in comps if not c.identity), comps[0])
+        super().__init__(model, base, comm, config)
+        self.candidates = tuple(c.spec for c in comps)
+        self.assigned = [self.candidates[0]] * len(self.buckets)
+        for w in self._workers:
+            w.choice = _Choice(w, self.candidates)  # type: ignore[attr-defined]
+            w.stateful = list(dict.fromkeys([*w.stateful, *w.choice.stateful()]))  # type: ignore[attr-defined]
+
+    def _select(self, w: _Worker, b: Bucket) -> tuple[Compressor, Any]:
+        if not (b.compressed and self.compressing):
+            return self._plain, w.scheme
+        spec = self.assigned[b.index]
+        residual = w.choice.take(b.key)  # type: ignore[attr-defined]
+        if residual is not None:  # moved here from the bucket's previous compressor: sent from now on
+            w.buffer(b).add_(residual.to(b.dtype))
+        return w.choice.candidates[spec], w.choice.schemes[spec]  # type: ignore[attr-defined]
+
+    def assign(self, index: int, spec: str) -> None:
+        """Exchange bucket ``index`` with candidate ``spec`` from the next step on (between steps,
+        on every rank alike). Its error memory under the old candidate moves to its next gradient."""
+        spec = spec if spec in self.candidates else _canonical(spec)
+        if spec not in self.candidates:
+            raise GradzipError(f"{spec!r} is not one of the candidates {', '.join(self.candidates)}")
+        old, b = self.assigned[index], self.buckets[index]
+        if old == spec:
+            return
+        for w in self._workers:
+            self._settle(w, keep=True)  # the last step is kept: its memory is what moves
+            ch = w.choice  # type: ignore[attr-defined]
+            r = ch.schemes[old].residual(b.key, b.numel)
+            r = None if r is None else r.detach().float().clone()
+            ch.schemes[old].forget(b.key)
+            if r is not None:
+                prev = ch.pending.get(b.key)
+                ch.pending[b.key] = r if prev is None else prev + r
+        self.assigned[index] = spec
+
+    def memory(self, wid: int, index: int) -> Tensor:
+        """Worker ``wid``'s whole residual of bucket ``index``: its candidate's memory plus what waits
+        to be added to the next gradient (fp32, flat; zeros when there is none)."""
+        w, b = self._lookup(wid), self.buckets[index]
+        self._settle(w, keep=True)  # the last step's memory, kept
+        ch = w.choice  # type: ignore[attr-defined]
+        out = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
+        r = ch.schemes[self.assigned[index]].residual(b.key, b.numel)
+        if r is not None:
+            out += r.float()
+        if b.key in ch.pending:
+            out += ch.pending[b.key]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["assigned"] = list(self.assigned)
+        sd["choices"] = [w.choice.state_dict() for w in self._workers]  # type: ignore[attr-defined]
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        assigned = list(state.get("assigned", self.assigned))
+        if len(assigned) != len(self.buckets) or set(assigned) - set(self.candidates):
+            raise GradzipError("engine state: the per-bucket choice does not fit these buckets and candidates")
+        self.assigned = assigned
+        for w, sd in zip(self._workers, state.get("choices", [])):
+            w.choice.load_state_dict(sd)  # type: ignore[attr-defined]
