@@ -105,11 +105,17 @@ def choose(allowed: tuple[str, ...], timings: dict[str, list[BucketTiming]], com
 
 def plan(auto: AutoSpec, work: Workload, cl: Cluster, codecs: dict[str, CodecCost] | None = None) -> AutoPlan:
     """The plan for ``work`` on ``cl`` (module docstring). ``codecs``: encode/decode cost per candidate."""
+    buckets, _ = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
+                               True, work.grad_dtype)
+    return plan_buckets(auto, buckets, work, cl, codecs)
+
+
+def plan_buckets(auto: AutoSpec, buckets: tuple[BucketShape, ...], work: Workload, cl: Cluster,
+                 codecs: dict[str, CodecCost] | None = None) -> AutoPlan:
+    """:func:`plan` for given buckets (the run-time policy: the engine's own)."""
     codecs = codecs or {}
     allowed = auto.allowed
     specs = tuple(dict.fromkeys(("none", *allowed)))
-    buckets, _ = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,
-                               True, work.grad_dtype)
     compute, _, ready = ready_times(buckets, work)
     timings = candidate_timings(specs, buckets, ready, work, cl, codecs)
     compressed = [b.compressed for b in buckets]

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from gradzip.compress.ef import ErrorFeedback
 from gradzip.compress.registry import create, normalize_spec, parse_spec
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
@@ -38,6 +37,7 @@ from gradzip.models import bert_config
 from gradzip.netem.spec import parse_netem
 from gradzip.plan.auto import is_auto
 from gradzip.plan.sync import SyncSpec, parse_sync
+from gradzip.training.config_checks import check_auto, check_sharding
 from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
@@ -46,7 +46,6 @@ OPTIMIZERS = ("adamw", "lamb", "sgd", "onebit-adam", "onebit-lamb", "demo")
 ONEBIT_SPEC = "onebit:exchange=twophase"  # what the 1-bit optimizers send, unless --compressor says otherwise
 DEMO_SPEC = "demo:topk=32,chunk=64,decay=0.999"  # what --optimizer demo sends, unless --compressor demo:... says
 PRECISIONS = ("fp32", "bf16", "fp16")
-SHARDINGS = ("none", "fsdp", "hsdp")
 DEVICES = ("auto", "cpu", "cuda")
 
 # Fields that may change when a run is resumed: they do not change what the steps compute.
@@ -222,8 +221,7 @@ class TrainConfig:
             raise GradzipError(f"{_pre(source)}{e}") from None
         if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
             raise bad("momentum", f"must be in [0, 1), got {self.momentum}")
-        for check in (self._check_sync, self._check_names, self._check_sharding):
-            check(source)
+        self._check_sync(source), self._check_names(source), check_sharding(self, source)
         demo_spec = parse_spec(self.spec)[0] == "demo"
         if self.optimizer == "demo" and not demo_spec:
             raise GradzipError(f"{_pre(source)}--optimizer demo needs the demo compressor (DeMo sends its momentum's "
@@ -248,37 +246,6 @@ class TrainConfig:
                                f"gradients (adamw, lamb, sgd), not --optimizer {self.optimizer}, which exchanges "
                                "every step itself")
 
-    def _check_sharding(self, source: str) -> None:
-        """``--fsdp``/``--hsdp``: the combinations sharded training can honour (the node size is checked
-        against the world size at start-up, :func:`gradzip.training.sharding.ranks_per_node`)."""
-        if self.sharding not in SHARDINGS:
-            raise GradzipError(f"{_pre(source)}sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
-        if self.ef_dtype not in ("fp32", "bf16"):
-            raise GradzipError(f"{_pre(source)}--ef-dtype must be fp32 or bf16, got {self.ef_dtype!r}")
-        if self.sharding == "none":
-            if self.ef_dtype != "fp32":
-                raise GradzipError(f"{_pre(source)}--ef-dtype {self.ef_dtype} applies to --fsdp and --hsdp only")
-            return
-        flag, why = f"--{self.sharding}", ""
-        if self.backend not in ("gloo", "nccl"):
-            why = (f"needs --backend gloo or nccl (FSDP2 runs on torch.distributed, one process per rank), "
-                   f"not {self.backend}; launch with torchrun, mpirun or srun, or let gradzip train start the ranks")
-        elif self.sync_spec.outer:
-            why = f"takes --sync step (FSDP reduces gradients every step), not --sync {self.sync}"
-        elif self.hierarchical:
-            why = "and --hierarchical both split the reduction by node; use --hsdp --ranks-per-node K alone"
-        elif self.optimizer not in ("adamw", "sgd"):
-            why = (f"steps an element-wise optimizer on each rank's shard (adamw, sgd), not --optimizer "
-                   f"{self.optimizer}, which needs whole tensors or its own exchange")
-        elif self.ef_dtype != "fp32" and not _flat_memory(create(self.spec)):
-            why = (f"--ef-dtype {self.ef_dtype} sets the flat error memory's dtype, but --compressor {self.compressor} "
-                   "keeps none (or keeps it per matrix); add ef=true to an element-wise compressor or drop --ef-dtype")
-        elif self.sharding == "fsdp" and self.exchange is not None:
-            why = (f"compresses the reduce-scatter chunk by chunk (an alltoall), so --exchange {self.exchange} does "
-                   "not apply; use --hsdp, whose replica all-reduce takes any scheme, or drop --exchange")
-        if why:
-            raise GradzipError(f"{_pre(source)}{flag} {why}")
-
     @property
     def spec(self) -> str:
         """The compressor spec with ``exchange`` applied: what the engine is given. The 1-bit
@@ -301,8 +268,8 @@ class TrainConfig:
     def _check_names(self, source: str) -> None:
         """The model and compressor names are known ."""
         if is_auto(self.compressor):
-            raise GradzipError(f"{_pre(source)}--compressor auto: gradzip train does not run the adaptive policy yet; "
-                               "see the plan it would make with gradzip simulate --compressor auto (docs/auto.md)")
+            check_auto(self, source)
+            return
         try:
             create(self.spec)
         except SpecError as e:
@@ -370,11 +337,6 @@ class TrainConfig:
             if f.name not in ignore and a != b:
                 out.append(f"{_flag(f.name)} {a!r} vs {b!r}")
         return out
-
-
-def _flat_memory(comp: Any) -> bool:
-    """The compressor keeps a flat error memory (error feedback, not per matrix)."""
-    return isinstance(comp, ErrorFeedback) and not comp.per_tensor
 
 
 # ---------------------------------------------------------------------- TOML in and out

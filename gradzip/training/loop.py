@@ -195,6 +195,7 @@ def _summary(cfg: TrainConfig, out: Any, sync: Synchronizer, data: Any, n_params
     ref = data.unigram_reference()
     info.update(unigram_entropy=ref.entropy, top_token_rate=ref.top_rate, context_free_mlm_loss=ref.floor,
                 context_free_mlm_acc=ref.floor_acc)
+    info.update(getattr(sync, "summary", dict)())  # --compressor auto: its plans and choice
     none_bytes = fp32_reduction_bytes(n_params, cfg.sharding, runtime.num_workers, cfg.ranks_per_node)
     summary = summarize(read_metrics(out / "metrics.jsonl"), info, none_bytes)
     write_summary(out, summary)

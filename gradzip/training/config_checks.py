@@ -1,0 +1,71 @@
+"""Checks of a ``gradzip train`` configuration that span several settings: sharded training
+(``--fsdp``/``--hsdp``) and ``--compressor auto``. Called by :meth:`TrainConfig.validate`; every
+failure is one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradzip.compress.ef import ErrorFeedback
+from gradzip.compress.registry import create
+from gradzip.errors import GradzipError, SpecError
+from gradzip.plan.auto import parse_auto
+
+SHARDINGS = ("none", "fsdp", "hsdp")
+
+
+def _pre(source: str) -> str:
+    return f"{source}: " if source else ""
+
+
+def _flat_memory(comp: Any) -> bool:
+    """The compressor keeps a flat error memory (error feedback, not per matrix)."""
+    return isinstance(comp, ErrorFeedback) and not comp.per_tensor
+
+
+def check_auto(cfg: Any, source: str) -> None:
+    """``--compressor auto``: its spec, and the modes it plans for (per-step exchange, flat)."""
+    try:
+        parse_auto(cfg.compressor)
+    except SpecError as e:
+        raise GradzipError(f"{_pre(source)}--compressor: {e}") from None
+    clash = ("--exchange (each candidate brings its own)" if cfg.exchange is not None else
+             f"--sync {cfg.sync}" if cfg.sync_spec.outer else "--hierarchical" if cfg.hierarchical else
+             f"--{cfg.sharding}" if cfg.sharding != "none" else
+             f"--optimizer {cfg.optimizer}" if cfg.optimizer.startswith("onebit-") or cfg.optimizer == "demo"
+             else None)
+    if clash:
+        raise GradzipError(f"{_pre(source)}--compressor auto plans the per-step exchange of plain data-parallel "
+                           f"training; it does not combine with {clash}")
+
+
+def check_sharding(cfg: Any, source: str) -> None:
+    """``--fsdp``/``--hsdp``: the combinations sharded training can honour (the node size is checked
+    against the world size at start-up, :func:`gradzip.training.sharding.ranks_per_node`)."""
+    if cfg.sharding not in SHARDINGS:
+        raise GradzipError(f"{_pre(source)}sharding must be one of {', '.join(SHARDINGS)}, got {cfg.sharding!r}")
+    if cfg.ef_dtype not in ("fp32", "bf16"):
+        raise GradzipError(f"{_pre(source)}--ef-dtype must be fp32 or bf16, got {cfg.ef_dtype!r}")
+    if cfg.sharding == "none":
+        if cfg.ef_dtype != "fp32":
+            raise GradzipError(f"{_pre(source)}--ef-dtype {cfg.ef_dtype} applies to --fsdp and --hsdp only")
+        return
+    flag, why = f"--{cfg.sharding}", ""
+    if cfg.backend not in ("gloo", "nccl"):
+        why = (f"needs --backend gloo or nccl (FSDP2 runs on torch.distributed, one process per rank), "
+               f"not {cfg.backend}; launch with torchrun, mpirun or srun, or let gradzip train start the ranks")
+    elif cfg.sync_spec.outer:
+        why = f"takes --sync step (FSDP reduces gradients every step), not --sync {cfg.sync}"
+    elif cfg.hierarchical:
+        why = "and --hierarchical both split the reduction by node; use --hsdp --ranks-per-node K alone"
+    elif cfg.optimizer not in ("adamw", "sgd"):
+        why = (f"steps an element-wise optimizer on each rank's shard (adamw, sgd), not --optimizer "
+               f"{cfg.optimizer}, which needs whole tensors or its own exchange")
+    elif cfg.ef_dtype != "fp32" and not _flat_memory(create(cfg.spec)):
+        why = (f"--ef-dtype {cfg.ef_dtype} sets the flat error memory's dtype, but --compressor {cfg.compressor} "
+               "keeps none (or keeps it per matrix); add ef=true to an element-wise compressor or drop --ef-dtype")
+    elif cfg.sharding == "fsdp" and cfg.exchange is not None:
+        why = (f"compresses the reduce-scatter chunk by chunk (an alltoall), so --exchange {cfg.exchange} does "
+               "not apply; use --hsdp, whose replica all-reduce takes any scheme, or drop --exchange")
+    if why:
+        raise GradzipError(f"{_pre(source)}{flag} {why}")

@@ -1,0 +1,68 @@
+"""``gradzip train --compressor auto`` (gradzip.engine.auto.AutoEngine) on the sim backend: the first
+plan from the measured link, re-plans, policy.jsonl, warm-up, the summary, resume and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradzip.cli import main
+from gradzip.training.metrics import read_metrics
+
+TINY = ["--model", "bert-tiny", "--seq-len", "32", "--batch-size", "4", "--workers", "4", "--eval-batches", "1",
+        "--eval-every", "0", "--no-progress", "--checkpoint-every", "0"]
+
+
+def train(tmp_path, corpus, name: str, *args: str) -> tuple[list[dict], list[dict], dict]:
+    out = tmp_path / name
+    assert main(["train", *TINY, "--corpus", str(corpus), *args, "--out", str(out)]) == 0
+    policy = [json.loads(x) for x in (out / "policy.jsonl").read_text().splitlines()]
+    return read_metrics(out / "metrics.jsonl"), policy, json.loads((out / "summary.json").read_text())
+
+
+def test_a_slow_link_is_planned_compressed_and_replanned(tmp_path, corpus):
+    metrics, policy, summary = train(tmp_path, corpus, "slow", "--bandwidth", "100mbit", "--steps", "4",
+                                     "--compressor", "auto:replan_every=2")
+    assert [p["step"] for p in policy] == [1, 3] and policy[0]["reason"] == "first plan"
+    assert policy[0]["bandwidth_bps"] == 100e6 and policy[0]["latency_s"] == pytest.approx(50e-6)
+    chosen = {b["candidate"] for b in policy[0]["buckets"]}
+    assert chosen - {"none"} and not policy[0]["none_is_best"]
+    assert policy[0]["predicted_step_s"] <= min(policy[0]["fixed_step_s"].values()) * 1.001
+    # step 1 ran every bucket uncompressed (the initial choice); after the plan, far fewer bytes
+    assert metrics[1]["bytes_sent"] < metrics[0]["bytes_sent"] / 3
+    assert summary["auto_plans"] == 2 and summary["exchange"] == "per bucket" and not summary["auto_none_is_best"]
+    assert sum(summary["auto_choice"].values()) == len(policy[0]["buckets"])
+
+
+def test_a_free_link_says_none_is_best(tmp_path, corpus):
+    _, policy, summary = train(tmp_path, corpus, "free", "--bandwidth", "100000gbit", "--latency", "0us",
+                               "--steps", "2", "--compressor", "auto")
+    assert policy[0]["none_is_best"] and {b["candidate"] for b in policy[0]["buckets"]} == {"none"}
+    assert summary["auto_none_is_best"] and "no candidate was predicted faster than none" in summary["auto_note"]
+
+
+def test_warmup_then_plan_and_resume_keeps_the_plan(tmp_path, corpus):
+    args = ["--bandwidth", "100mbit", "--steps", "4", "--compressor", "auto:warmup=2,replan_every=0",
+            "--checkpoint-every", "2"]
+    metrics, policy, _ = train(tmp_path, corpus, "full", *args)
+    assert [p["step"] for p in policy] == [2] and "after 2 warm-up steps" in policy[0]["reason"]
+    assert metrics[0]["bytes_sent"] == metrics[1]["bytes_sent"] > 3 * metrics[2]["bytes_sent"]
+    out = tmp_path / "cut"
+    assert main(["train", *TINY, "--corpus", str(corpus), *args, "--stop-at", "2", "--out", str(out)]) == 0
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [r["bytes_sent"] for r in resumed] == [r["bytes_sent"] for r in metrics]  # the plan came back
+    assert json.loads((out / "summary.json").read_text())["auto_plans"] == 1
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--compressor", "auto:floor=nosuch"], "--compressor: auto: candidate 'nosuch'"),
+    (["--compressor", "auto", "--sync", "diloco:every=4"], "does not combine with --sync diloco:every=4"),
+    (["--compressor", "auto", "--exchange", "allgather"], "does not combine with --exchange"),
+    (["--compressor", "auto", "--hierarchical"], "does not combine with --hierarchical"),
+])
+def test_bad_auto_is_one_line(tmp_path, capsys, args, words):
+    assert main(["train", *TINY, *args, "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and not (tmp_path / "bad").exists()
