@@ -30,6 +30,7 @@ from gradzip.plots.grouping import Skip
 from gradzip.plots.loss import fig_loss_steps, fig_loss_time, fig_loss_vs_ratio
 from gradzip.plots.lowcomm import fig_loss_vs_bytes, fig_time_to_target
 from gradzip.plots.metric_figures import fig_metric
+from gradzip.plots.policy import fig_policy
 from gradzip.plots.results import DEFAULT_METRIC_FIGURES, Collection, LossTarget, describe_where
 from gradzip.plots.scale import fig_bytes_workers, fig_throughput_workers
 from gradzip.plots.schedule import fig_schedule
@@ -49,6 +50,7 @@ DRAW: dict[str, Callable[..., Any]] = {
     "throughput_workers": fig_throughput_workers,
     "loss_vs_bytes": fig_loss_vs_bytes,
     "time_to_target": fig_time_to_target,
+    "policy": fig_policy,
 }
 
 
