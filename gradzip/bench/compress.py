@@ -21,7 +21,8 @@ batched ``P = M Q``, ``Q = Mᵀ P`` and ``M̂ = P Qᵀ`` on contiguous stacks of
 
 Compressors are measured bare (no error feedback) unless ``--ef`` is given. Targets (benchmark
 results, not tests): fp16/bf16 <= 2x memcpy, onebit <= 4x, topk at 1% <= 10x (<= 5x with ``--ef``),
-PowerSGD rank 4 <= 1.5x its matmuls.
+PowerSGD rank 4 <= 1.5x its matmuls. Top-k is also timed against ``torch.topk(|g|, k)`` alone (the
+baseline to beat: ``torch_topk_s`` and ``ratio_to_torch_topk`` in ``--json``, a line under the table).
 
 ``--aggregate N`` also times, for the allgather compressors, what every rank does with the N
 ranks' payloads (the exchange's path: one pass where the compressor has one, else a decode per
@@ -170,6 +171,9 @@ def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat
     timed: dict[str, Callable[[], Any]] = {"time_s": roundtrip, "memcpy_s": lambda: dst.copy_(flat)}
     if c.name == "powersgd":
         timed["matmul_s"] = _matmuls(shapes, getattr(c, "inner", c).config.rank, device, gen)
+    if c.name == "topk":  # the baseline to beat: torch.topk of |g| alone, no packing, no decode
+        k = max(1, math.ceil(getattr(c, "inner", c).config.ratio * flat.numel()))
+        timed["torch_topk_s"] = lambda: torch.topk(flat.abs(), k, sorted=False)
     if aggregate and c.collective == "allgather" and c.rounds == 1:
         timed.update(_aggregation(c.spec, numel, aggregate, device))
     threads = torch.get_num_threads()
@@ -192,6 +196,8 @@ def bench_one(c: Compressor, numel: int, repeat: int, device: torch.device, stat
                    ratio_decode_each_to_decode=times["decode_each_s"] / times["decode_s"])
     if "matmul_s" in times:
         row["ratio_to_matmul"] = times["time_s"] / times["matmul_s"]
+    if "torch_topk_s" in times:
+        row["ratio_to_torch_topk"] = times["time_s"] / times["torch_topk_s"]
     if "time_1thread_s" in times:
         row["speedup_threads"] = times["time_1thread_s"] / times["time_s"]
     if c.per_tensor:
@@ -296,6 +302,9 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace, device: to
                   f"{r['aggregate_s'] * 1e3:8.2f} ms = {r['ratio_aggregate_to_decode']:5.2f}x   (a decode per rank: "
                   f"{r['decode_each_s'] * 1e3:8.2f} ms = {r['ratio_decode_each_to_decode']:5.2f}x)")
     for r in rows:
+        if "torch_topk_s" in r:
+            print(f"{r['name']}: torch.topk(|g|, k) alone {r['torch_topk_s'] * 1e3:.2f} ms; the round trip is "
+                  f"{r['ratio_to_torch_topk']:.2f}x it")
         if "shapes" in r:
             print(f"{r['name']}: {len(r['shapes'])} BERT-shaped matrices, {r['numel']} elements: "
                   + ", ".join(f"{n}x{m}" for n, m in r["shapes"]))
