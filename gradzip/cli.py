@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("gradzip.experiments.run_cli", "run a spec that ships with gradzip (--list to list them)"),
     "plot": ("gradzip.plots.cli", "draw figures and the results table of a run or sweep"),
     "export": ("gradzip.training.export_cli", "write a run's checkpoint as a Hugging Face model directory"),
+    "finetune": ("gradzip.training.finetune_cli", "fine-tune a pretrained checkpoint for sequence classification"),
     "bench": ("gradzip.bench.cli", f"benchmarks: {', '.join(BENCHMARKS)}"),
     "ls": ("gradzip.ls", "list the registered compressors"),
     "simulate": ("gradzip.cluster.simulate_cli", "predict step time of a large cluster (cost model)"),

@@ -34,6 +34,10 @@ Format (read with the standard library's :mod:`tomllib`)::
     [plot.where]                              # optional: draw a figure from some of the cells only
     loss_steps = { workers = 8, compressor = ["onebit", "onebit:exchange=twophase"] }
 
+    [downstream]                              # optional: export and fine-tune every cell
+    task = "keywords"                         # (gradzip.experiments.downstream)
+    seeds = 3
+
 Contract:
 
 - Every cell's configuration (base updated with the cell's grid values) is validated through
@@ -70,12 +74,13 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.errors import GradzipError, SpecError
+from gradzip.experiments.downstream import Downstream, parse_downstream
 from gradzip.plots.results import FIGURE_CHOICES, describe_where, is_figure, matches_where
 from gradzip.plots.retime import bandwidth_columns
 from gradzip.training.config import TrainConfig
 
 MAX_NAME = 120
-TOP_KEYS = {"name", "description", "base", "grid", "target", "plot", "repeats"}
+TOP_KEYS = {"name", "description", "base", "grid", "target", "plot", "repeats", "downstream"}
 REPEATS_KEYS = {"n", "where"}
 MAX_REPEATS = 100
 TARGET_KEYS = {"loss", "metric", "smoothing", "bandwidths"}
@@ -152,6 +157,7 @@ class Spec:
     repeats: int = 1
     repeats_where: dict[str, Any] | None = None  # None: every cell is repeated
     cells: list[Cell] = field(default_factory=list)
+    downstream: Downstream | None = None  # [downstream]: fine-tune every cell (gradzip.experiments.downstream)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -294,6 +300,7 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
     spec = Spec(src, name, description, dict(base), {k: list(v) for k, v in grid.items()}, target, plot,
                 repeats, repeats_where)
     spec.cells = expand(spec)
+    spec.downstream = parse_downstream(raw["downstream"], src) if "downstream" in raw else None
     defaults = TrainConfig()  # a key no cell sets has its default
     if repeats_where and len(spec.cells) == len(list(itertools.product(*spec.grid.values()))):
         raise SpecError(f"{src}: repeats where = {{{describe_where(repeats_where)}}} matches no cell of the grid")

@@ -55,6 +55,7 @@ from typing import Any
 
 from gradzip.comm.launch import detect_launcher_env
 from gradzip.errors import GradzipError
+from gradzip.experiments.downstream import downstream_step
 from gradzip.experiments.spec import Cell, Spec, load_spec
 from gradzip.io import atomic_write_json
 from gradzip.plots.report import make_report, print_report
@@ -329,6 +330,10 @@ def _run_cells(spec: Spec, out: Path, in_process: bool, main: bool, echo: bool, 
             note = {"skipped": "already finished, skipped", "done": f"done in {r.seconds:.1f} s"
                     + (" (resumed)" if r.resumed else ""), "failed": f"FAILED: {r.error}"}[r.status]
             print(f"[{i + 1}/{n}] {cell.name}: {note}", flush=True)
+        if main and spec.downstream is not None and r.status in ("done", "skipped"):
+            err = downstream_step(out / cell.name, cell.config, spec.downstream, echo)
+            if err:
+                print(f"[{i + 1}/{n}] {cell.name}: downstream FAILED: {err}", flush=True)
         save()
 
 

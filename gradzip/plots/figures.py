@@ -26,6 +26,7 @@ from typing import Any
 from gradzip.plots import style
 from gradzip.plots.captions import clock_caption
 from gradzip.plots.cost import fig_bytes_per_step, fig_scaling, fig_step_time, fig_throughput_bandwidth
+from gradzip.plots.downstream import fig_downstream_vs_bytes
 from gradzip.plots.grouping import Skip
 from gradzip.plots.loss import fig_loss_steps, fig_loss_time, fig_loss_vs_ratio
 from gradzip.plots.lowcomm import fig_loss_vs_bytes, fig_time_to_target
@@ -51,6 +52,7 @@ DRAW: dict[str, Callable[..., Any]] = {
     "loss_vs_bytes": fig_loss_vs_bytes,
     "time_to_target": fig_time_to_target,
     "policy": fig_policy,
+    "downstream_vs_bytes": fig_downstream_vs_bytes,
 }
 
 

@@ -39,6 +39,7 @@ FIGURES: dict[str, str] = {
     "loss_vs_bytes": "final held-out MLM loss against total bytes sent per worker, per configuration (log x)",
     "time_to_target": "modelled time to the target loss at the [target] bandwidths, per configuration",
     "policy": "--compressor auto: the share of elements per candidate over the run, on the measured link rate",
+    "downstream_vs_bytes": "fine-tuned accuracy against bytes sent per worker in pretraining ([downstream] sweeps)",
 }
 
 # metrics.jsonl fields that a figure can put on its y axis, as ``<field>_steps`` (against optimizer
