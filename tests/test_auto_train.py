@@ -71,3 +71,26 @@ def test_bad_auto_is_one_line(tmp_path, capsys, args, words):
     assert main(["train", *TINY, *args, "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ranks_that_measure_differently_still_replan_together(tmp_path, corpus):
+    """A straggler (rank 1 sleeps before steps 3 and 4) makes rank 0 wait in the exchange while rank 1
+    does not: the drift each rank sees differs, and a re-plan is collective. The ranks decide on their
+    mean, so they re-plan together and the run ends cleanly."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "GRADZIP_FAULT")}
+    env.update(OMP_NUM_THREADS="1", GRADZIP_FAULT="delay:step=3-4,rank=1,seconds=1")
+    out = tmp_path / "gloo"
+    proc = subprocess.run([sys.executable, "-m", "gradzip", "train", *TINY, "--workers", "2", "--backend", "gloo",
+                           "--corpus", str(corpus), "--steps", "7", "--compressor",
+                           "auto:patience=1,tolerance=0.5,replan_every=0", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = [json.loads(x) for x in (out / "policy.jsonl").read_text().splitlines()]
+    assert plans[0]["step"] == 1 and any("off the prediction" in p["reason"] for p in plans[1:]), plans
+    assert len(read_metrics(out / "metrics.jsonl")) == 7

@@ -10,9 +10,10 @@ memory carried across switches) with the loop that steers it:
    the mean of each figure over the ranks (one small allreduce), so every rank plans alike.
 3. **Plan** (:func:`gradzip.cluster.auto.plan_buckets`): per bucket, the candidate that minimises
    the step predicted by the cost model, overlap included, within the ``floor``; assign it.
-4. **Watch**: every step compares the measured exposed communication with the plan's prediction;
-   off by more than ``tolerance`` of the predicted step for ``patience`` steps in a row, or
-   every ``replan_every`` steps, the policy measures and plans again.
+4. **Watch**: every step compares the measured exposed communication with the plan's prediction
+   (the ranks' mean gap, one 8-byte allreduce, so that all ranks decide alike: a re-plan is
+   collective); off by more than ``tolerance`` of the predicted step for ``patience`` steps in a
+   row, or every ``replan_every`` steps, the policy measures and plans again.
 
 Every plan is a line of ``policy.jsonl`` (``step``, ``reason``, the probe's ``latency_s``,
 ``bandwidth_bps`` and ``probe_bytes``, the traffic it cost, which the steps' ``bytes_sent`` leave
@@ -166,8 +167,11 @@ class AutoEngine(ChoiceEngine):
         if self.planned_at < 0:
             self.replan(stats, "first plan" if not self.auto.warmup else f"after {self.auto.warmup} warm-up steps")
             return norm
-        off = abs(stats.comm_s - self.prediction["comm_s"]) > self.auto.tolerance * self.prediction["step_s"]
-        self.drift = self.drift + 1 if off else 0
+        # The ranks' mean gap, so that every rank takes the same decision (a re-plan is collective).
+        gap = self._agree([abs(stats.comm_s - self.prediction["comm_s"])])[0]
+        for w in self._workers:  # that tiny allreduce is the policy's, not the next step's traffic
+            w.snap = w.comm.stats.snapshot()
+        self.drift = self.drift + 1 if gap > self.auto.tolerance * self.prediction["step_s"] else 0
         if self.drift >= self.auto.patience:
             self.replan(stats, f"measured communication off the prediction for {self.drift} steps")
         elif self.auto.replan_every and self.steps - self.planned_at >= self.auto.replan_every:
