@@ -94,3 +94,18 @@ def test_ranks_that_measure_differently_still_replan_together(tmp_path, corpus):
     plans = [json.loads(x) for x in (out / "policy.jsonl").read_text().splitlines()]
     assert plans[0]["step"] == 1 and any("off the prediction" in p["reason"] for p in plans[1:]), plans
     assert len(read_metrics(out / "metrics.jsonl")) == 7
+
+
+def test_resume_drops_the_plans_made_after_the_checkpoint(tmp_path, corpus):
+    """A run that planned after its last checkpoint and then died: resuming drops those plans from
+    policy.jsonl (as metrics.jsonl loses the steps after the checkpoint), and the log then holds each
+    plan once."""
+    out = tmp_path / "run"
+    args = ["--bandwidth", "100mbit", "--steps", "4", "--compressor", "auto:replan_every=2", "--checkpoint-every", "2"]
+    assert main(["train", *TINY, "--corpus", str(corpus), *args, "--out", str(out)]) == 0
+    full = [json.loads(x)["step"] for x in (out / "policy.jsonl").read_text().splitlines()]
+    assert full == [1, 3]
+    for p in out.glob("ckpt-00000004*"):  # as if the run had died after planning at step 3
+        p.unlink()
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert [json.loads(x)["step"] for x in (out / "policy.jsonl").read_text().splitlines()] == [1, 3]

@@ -21,7 +21,7 @@ out; ``predicted_step_s``, ``predicted_comm_s``, the measured ``comm_s`` of the 
 it, each candidate alone, and per bucket its ``numel`` and ``candidate``), written by rank 0. When
 no candidate is predicted faster than ``none``, the line says so (``none_is_best``) and so does
 ``summary()``. The plan and the counters are checkpoint state: a resumed run carries on with the
-same assignment.
+same assignment, and its ``policy.jsonl`` loses the plans made after the checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from gradzip.engine.config import EngineConfig
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import OptimizerStep
 from gradzip.errors import GradzipError
+from gradzip.io import atomic_write_text, read_jsonl
 from gradzip.plan.auto import AutoSpec, parse_auto
 
 PROBE_BYTES = (64 << 10, 1 << 20, 8 << 20)
@@ -212,6 +213,9 @@ class AutoEngine(ChoiceEngine):
             raise GradzipError("engine state has no auto policy state; resume with the compressor it was written with")
         self.steps, self.planned_at, self.drift = int(a["steps"]), int(a["planned_at"]), int(a["drift"])
         self.prediction, self.plans = dict(a["prediction"]), list(a["plans"])
+        if self.log is not None and self.log.is_file():  # a resumed run: the plans after its checkpoint go
+            keep = [r for r in read_jsonl(self.log) if isinstance(r, dict) and r.get("step", 0) <= self.steps]
+            atomic_write_text(self.log, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
