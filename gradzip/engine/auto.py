@@ -69,6 +69,7 @@ class AutoEngine(ChoiceEngine):
         self.drift = 0           # steps in a row off the prediction
         self.prediction: dict[str, float] = {}
         self.plans: list[dict[str, Any]] = []
+        self._last_stats: StepStats | None = None  # the step commit() decides on
 
     # ------------------------------------------------------------------ measure
     def probe_link(self) -> tuple[float, float]:
@@ -182,8 +183,6 @@ class AutoEngine(ChoiceEngine):
     def synchronize(self) -> StepStats:
         self._last_stats = stats = super().synchronize()
         return stats
-
-    _last_stats: StepStats | None = None
 
     @property
     def exchange(self) -> str:

@@ -37,7 +37,7 @@ from gradzip.models import bert_config
 from gradzip.netem.spec import parse_netem
 from gradzip.plan.auto import is_auto
 from gradzip.plan.sync import SyncSpec, parse_sync
-from gradzip.training.config_checks import check_auto, check_sharding
+from gradzip.training.config_checks import _pre, check_auto, check_sharding
 from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
@@ -440,7 +440,3 @@ def _check_type(key: str, value: Any, source: str) -> Any:
 
 def _a(typ: type) -> str:
     return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}[typ.__name__]
-
-
-def _pre(source: str) -> str:
-    return f"{source}: " if source else ""

@@ -65,6 +65,8 @@ from typing import Any
 from gradzip.host import is_contended
 from gradzip.io import atomic_write_json, atomic_write_text, read_jsonl
 
+_BY_COLLECTIVE = ("bytes_allgather", "bytes_reduce_scatter", "bytes_allreduce")  # sharded runs only
+
 
 @dataclass
 class StepRecord:
@@ -106,7 +108,7 @@ class StepRecord:
         """The JSON object; the eval fields only on steps that evaluated, the per-collective bytes
         only in sharded runs."""
         d = asdict(self)
-        return {k: v for k, v in d.items() if not (k.startswith(("eval_", "bytes_a", "bytes_r")) and v is None)}
+        return {k: v for k, v in d.items() if not ((k.startswith("eval_") or k in _BY_COLLECTIVE) and v is None)}
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
