@@ -38,10 +38,12 @@ def ddp_hook(spec: str, process_group=None, **kwargs):
         state, hook = gradzip.ddp_hook("topk:ratio=0.01,ef=true")
         ddp_model.register_comm_hook(state, hook)
 
-    Keyword arguments (``min_compress_numel``, ``timeout``) go to :func:`gradzip.engine.ddp.ddp_hook`.
+    ``spec`` may be ``"auto[:options]"``: the adaptive policy picks a compressor per DDP bucket
+    (:mod:`gradzip.engine.ddp_auto`). Keyword arguments (``min_compress_numel``, ``timeout``, and
+    ``log``: the auto policy's ``policy.jsonl``) go to :func:`gradzip.engine.hooks.ddp_hook`.
     """
     # Imported on use, so that `import gradzip` (the CLI reads __version__) does not load torch.
-    from gradzip.engine.ddp import ddp_hook as _ddp_hook
+    from gradzip.engine.hooks import ddp_hook as _ddp_hook
 
     return _ddp_hook(spec, process_group=process_group, **kwargs)
 

@@ -1,8 +1,8 @@
 """One rank of the multi-process engine tests (tests/test_engine_dist.py), and the shared model,
 data and training loop that the test also runs on the ``sim`` backend as the reference.
 
-    python tests/_engine_dist_worker.py --backend gloo|mpi --out DIR --phases matrix,hier,mismatch,ddp,demo,hang
-            [--specs a;b;c]
+    python tests/_engine_dist_worker.py --backend gloo|mpi --out DIR
+            --phases matrix,hier,mismatch,ddp,ddp_auto,demo,hang [--specs a;b;c]
 
 ``hier``: the hierarchical exchange with two ranks per emulated node (GRADZIP_NODE = rank // 2).
 ``demo``: the DeMo optimizer standalone (its own exchanges) and through the engine.
@@ -152,6 +152,33 @@ def train_ddp(spec: str, rank: int) -> dict:
             "members": sorted(sd["members"]), "memory": sorted(sd["compressor"].get("memory", {}))}
 
 
+AUTO_SPEC = "auto:candidates=topk:ratio=0.1+ef=true/powersgd:rank=2,replan_every=2"
+
+
+def train_ddp_auto(rank: int, out: Path) -> dict:
+    """``gradzip.ddp_hook("auto")`` on default DDP: uncompressed steps 1-2 (DDP rebuilds its bucket
+    after step 1), a plan at the end of step 2, re-plans every 2 steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradzip
+
+    model = make_model(empty=False)
+    ddp = DDP(model, bucket_cap_mb=DDP_KW["bucket_cap_mb"])
+    state, hook = gradzip.ddp_hook(AUTO_SPEC, min_compress_numel=DDP_KW["min_compress_numel"], timeout=60,
+                                   log=out / "policy.jsonl")
+    ddp.register_comm_hook(state, hook)
+    bytes_per_step = []
+    for step in range(6):
+        model.zero_grad(set_to_none=True)
+        loss_of(ddp, batch(step, rank)).backward()
+        bytes_per_step.append(state.stats()["bytes_per_step"])
+        sgd_step(model)
+    state.close()
+    return {"params": flat_params(model), "assigned": dict(state.assigned), "plans": list(state.plans),
+            "summary": state.summary(), "layouts": {i: len(v) for i, v in state._layouts.items()},
+            "bytes": bytes_per_step}
+
+
 DDP_SPECS = ["none", "fp16", "topk:ratio=0.1,ef=true", "onebit", "signsgd", "powersgd:rank=2",
              "topk:ratio=0.1,ef=true,exchange=sparse", "onebit:exchange=twophase"]
 # twophase cuts the flat bucket into chunks: its result depends on the order of the gradients in
@@ -223,6 +250,8 @@ def main() -> int:
                     res["ddp_late"] = "no error"
                 except GradzipError as e:
                     res["ddp_late"] = str(e)
+        if "ddp_auto" in phases:
+            res["ddp_auto"] = train_ddp_auto(r, out)
         if "demo" in phases:
             res["demo"] = {"standalone": train_demo(comm, True), "engine": train_demo(comm, False)}
         torch.save(res, out / f"rank{r}.pt")

@@ -9,6 +9,7 @@ compare. A launch that hangs is stopped by spawn_local's timeout and fails the t
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def run(backend: str, n: int, tmp: str) -> dict[int, dict]:
     if backend == "mpi" and (why := mpi_unavailable()):
         pytest.skip(why)
     if n == 2:
-        phases = "matrix,mismatch,demo" + (",ddp,hang" if backend == "gloo" else "")
+        phases = "matrix,mismatch,demo" + (",ddp,ddp_auto,hang" if backend == "gloo" else "")
         return _launch(backend, n, phases, "", tmp)
     return _launch(backend, n, "matrix,hier", ";".join(FOUR_RANK_SPECS), tmp)
 
@@ -187,6 +188,24 @@ def test_ddp_adapter_matches_the_engine(tmp_root):
         ref = W.train_engine(spec, SimWorld(2), W.DDP_KW, W.make_model(empty=False))
         for r in range(2):
             assert_matches(results[r]["ddp"][spec], ref, spec, f"ddp rank {r}")
+
+
+@pytest.mark.timeout(240)
+def test_ddp_hook_auto_plans_together_on_real_ddp(tmp_root):
+    """gradzip.ddp_hook("auto") under real DDP on gloo: both ranks plan the rebuilt bucket alike at
+    steps 2, 4 and 6, train identical parameters, and only rank 0 writes policy.jsonl."""
+    results = run("gloo", 2, tmp_root)
+    got = [results[r]["ddp_auto"] for r in range(2)]
+    assert got[0]["assigned"] == got[1]["assigned"] and len(got[0]["assigned"]) == 1
+    key, spec = next(iter(got[0]["assigned"].items()))
+    assert "~" in key and spec in ("topk:ratio=0.1,ef=true", "powersgd:rank=2")  # the rebuilt bucket's key
+    assert max(got[0]["layouts"].values()) == 2
+    assert [p["step"] for p in got[0]["plans"]] == [2, 4, 6] == [p["step"] for p in got[1]["plans"]]
+    assert got[0]["summary"]["auto_plans"] == 3 and not got[0]["summary"]["auto_none_is_best"]
+    torch.testing.assert_close(got[0]["params"], got[1]["params"], rtol=0, atol=0)
+    assert got[0]["bytes"][2] < got[0]["bytes"][1] / 2  # compressed from step 3 on
+    lines = (Path(tmp_root) / "gloo2" / "policy.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [2, 4, 6]
 
 
 @pytest.mark.timeout(240)

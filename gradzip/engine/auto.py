@@ -26,29 +26,33 @@ same assignment, and its ``policy.jsonl`` loses the plans made after the checkpo
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradzip.cluster.auto import AutoPlan, plan_buckets
-from gradzip.cluster.network import Cluster, CodecCost
-from gradzip.cluster.simulate import BucketShape, Workload
+from gradzip.cluster.auto import AutoPlan
+from gradzip.cluster.network import CodecCost
+from gradzip.cluster.simulate import BucketShape
 from gradzip.comm.base import Communicator
 from gradzip.comm.sim import SimWorld
-from gradzip.compress.base import unflatten
 from gradzip.compress.registry import create
+from gradzip.engine.auto_measure import (
+    PolicyLog,
+    agree,
+    dtype_name,
+    make_plan,
+    plan_record,
+    policy_summary,
+    probe_link,
+    time_codecs,
+)
 from gradzip.engine.choice import ChoiceEngine
 from gradzip.engine.config import EngineConfig
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import OptimizerStep
 from gradzip.errors import GradzipError
-from gradzip.io import atomic_write_text, read_jsonl
 from gradzip.plan.auto import AutoSpec, parse_auto
-
-PROBE_BYTES = (64 << 10, 1 << 20, 8 << 20)
 
 
 class AutoEngine(ChoiceEngine):
@@ -63,7 +67,7 @@ class AutoEngine(ChoiceEngine):
         self.spec = self.auto.spec
         self.names = {create(c).spec: c for c in candidates}  # canonical spec -> the user's spelling
         self._world = comm if isinstance(comm, SimWorld) else None
-        self.log = Path(log) if log is not None and (self.sim or self.comm.rank == 0) else None
+        self.log = PolicyLog(log if self.sim or self.comm.rank == 0 else None)
         self.steps = 0           # steps committed
         self.planned_at = -1     # step of the last plan (-1: none yet)
         self.drift = 0           # steps in a row off the prediction
@@ -76,54 +80,19 @@ class AutoEngine(ChoiceEngine):
         """(latency s, bandwidth bits/s) of the link: sim's model, or an α–β fit of timed allreduces."""
         if self._world is not None:
             return float(self._world.inter.latency_s), float(self._world.inter.bandwidth_bps)
-        comm, n = self.comm, self.world_size
-        if n <= 1:
-            return 0.0, float("inf")
-        pts = []
-        for nbytes in PROBE_BYTES:
-            buf = torch.zeros(nbytes // 4, device=self.buckets[0].device)
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                comm.allreduce(buf, "sum")
-                best = min(best, time.perf_counter() - t0)
-            pts.append((2 * (n - 1) / n * nbytes * 8, best))  # ring allreduce: bits each rank sends, time
-        (x0, t0), (x1, t1) = pts[0], pts[-1]
-        per_bit = max((t1 - t0) / max(x1 - x0, 1.0), 1e-15)
-        alpha = max(0.0, (t0 - per_bit * x0) / (2 * (n - 1)))
-        return alpha, 1.0 / per_bit
+        return probe_link(self.comm, self.world_size, self.buckets[0].device)
 
     def time_codecs(self) -> dict[str, CodecCost]:
         """Each candidate's encode + decode seconds per element, on buffers of the compressed buckets' sizes."""
-        out = {"none": CodecCost(0.0, 0.0, "none")}
-        sizes = [b for b in self.buckets if b.compressed]
-        for spec in self.candidates:
-            if spec == "none" or not sizes:
-                continue
-            c, total, elems = create(spec), 0.0, 0
-            for b in sizes:
-                x = torch.randn(b.numel, device=b.device)
-                tensors = unflatten(x, b.shapes) if c.per_tensor else [x]
-                best = float("inf")
-                for _ in range(2):
-                    t0 = self._now()
-                    payload, ctx = c.compress_batch(tensors, "probe")
-                    for _ in range(c.rounds - 1):  # one worker's rounds: the reduced payload is its own
-                        payload, ctx = c.next_round_batch(payload, ctx)
-                    c.decompress_batch(payload, ctx)
-                    best = min(best, self._now() - t0)
-                c.forget("probe")
-                total, elems = total + best, elems + b.numel
-            out[spec] = CodecCost(total / max(elems, 1), 0.0, "measured on this run's buckets")
-        return out
+        sizes = [(b.numel, b.shapes) for b in self.buckets if b.compressed]
+        device = self.buckets[0].device if self.buckets else "cpu"
+        return time_codecs(self.candidates, sizes, device, self._now)
 
     def _agree(self, values: list[float]) -> list[float]:
         """The mean of each value over the ranks (sim: itself): every rank plans from the same figures."""
-        if self.sim or self.world_size == 1:
+        if self.sim:
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.buckets[0].device)
-        self.comm.allreduce(t, "mean")
-        return t.tolist()
+        return agree(self.comm, self.world_size, values, self.buckets[0].device)
 
     # ------------------------------------------------------------------ plan and act
     def replan(self, stats: StepStats, reason: str) -> AutoPlan:
@@ -138,25 +107,14 @@ class AutoEngine(ChoiceEngine):
         latency, bandwidth, compute = agreed[0], 1.0 / max(agreed[1], 1e-18), max(agreed[2], 1e-9)
         codecs.update({s: CodecCost(v, 0.0, "measured") for s, v in zip(specs, agreed[3:])})
         n = self.world_size if not self.sim else len(self._workers)
-        cl = Cluster(n, 1, bandwidth, bandwidth, latency, latency, "ring")
         shapes = tuple(BucketShape(tuple(tuple(s) for s in b.shapes), b.numel, b.compressed) for b in self.buckets)
-        work = Workload("auto", tokens_per_second=1.0 / compute, batch_size=1, seq_len=1, overlap=1.0,
-                        grad_dtype=_dtype_name(self.buckets[0].dtype))
-        p = plan_buckets(self.auto, shapes, work, cl, codecs)
+        p = make_plan(self.auto, shapes, n, latency, bandwidth, compute, codecs, dtype_name(self.buckets[0].dtype))
         for i, spec in enumerate(p.choice):
             self.assign(i, spec)
         self.planned_at, self.drift = self.steps, 0
         self.prediction = {"step_s": p.step_s, "comm_s": p.comm_s}
-        rec = {"step": self.steps, "reason": reason, "latency_s": latency, "bandwidth_bps": bandwidth,
-               "probe_bytes": int(probe_bytes),
-               "compute_s": compute, "predicted_step_s": p.step_s, "predicted_comm_s": p.comm_s,
-               "measured_comm_s": stats.comm_s, "fixed_step_s": p.fixed, "none_is_best": p.none_is_best,
-               "buckets": [{"bucket": i, "numel": n_, "candidate": c} for i, (c, n_) in enumerate(zip(p.choice,
-                                                                                                     p.numels))]}
-        self.plans.append({k: rec[k] for k in ("step", "reason", "none_is_best")})
-        if self.log is not None:
-            with open(self.log, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
+        self.plans.append({"step": self.steps, "reason": reason, "none_is_best": p.none_is_best})
+        self.log.append(plan_record(self.steps, reason, latency, bandwidth, probe_bytes, compute, p, stats.comm_s))
         return p
 
     def commit(self, nonfinite: int, stepper: OptimizerStep) -> float:
@@ -190,14 +148,7 @@ class AutoEngine(ChoiceEngine):
 
     def summary(self) -> dict[str, Any]:
         """What ``summary.json`` reports of the policy."""
-        counts: dict[str, int] = {}
-        for c in self.assigned:
-            counts[self.names.get(c, c)] = counts.get(self.names.get(c, c), 0) + 1
-        none_best = bool(self.plans and self.plans[-1]["none_is_best"])
-        out: dict[str, Any] = {"auto_plans": len(self.plans), "auto_choice": counts, "auto_none_is_best": none_best}
-        if none_best:
-            out["auto_note"] = "no candidate was predicted faster than none on this link: buckets went uncompressed"
-        return out
+        return policy_summary([self.names.get(c, c) for c in self.assigned], self.plans)
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -212,10 +163,5 @@ class AutoEngine(ChoiceEngine):
             raise GradzipError("engine state has no auto policy state; resume with the compressor it was written with")
         self.steps, self.planned_at, self.drift = int(a["steps"]), int(a["planned_at"]), int(a["drift"])
         self.prediction, self.plans = dict(a["prediction"]), list(a["plans"])
-        if self.log is not None and self.log.is_file():  # a resumed run: the plans after its checkpoint go
-            keep = [r for r in read_jsonl(self.log) if isinstance(r, dict) and r.get("step", 0) <= self.steps]
-            atomic_write_text(self.log, "".join(json.dumps(r) + "\n" for r in keep))
+        self.log.cut_after(self.steps)  # a resumed run: the plans after its checkpoint go
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")

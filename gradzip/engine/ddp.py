@@ -263,15 +263,3 @@ def gradzip_comm_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch
         state.drain()
     return fut
 
-
-def ddp_hook(spec: str | Compressor, process_group: Any = None, min_compress_numel: int = 1024,
-             timeout: float | None = None) -> tuple[GradzipHookState, Any]:
-    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``. Call it on every
-    rank. With the process group up it binds at once (builds a communicator and checks that every
-    rank passed the same spec); before that it binds at the hook's first call."""
-    if process_group is not None and (not dist.is_initialized() or process_group is not dist.group.WORLD):
-        raise GradzipError("ddp_hook: only the default process group is supported (pass process_group=None)")
-    state = GradzipHookState(spec, None, min_compress_numel, timeout)  # a bad spec fails here, before any collective
-    if dist.is_available() and dist.is_initialized():
-        state.bind()
-    return state, gradzip_comm_hook

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradzip.engine.ddp import GradzipHookState, ddp_hook
+from gradzip.engine.ddp import GradzipHookState
+from gradzip.engine.hooks import ddp_hook
 from gradzip.errors import GradzipError
 from gradzip.integrations import check_state, log_figures, missing_extra, rank_file
 from gradzip.io import atomic_write
