@@ -1,27 +1,43 @@
 """Validate ``gradzip simulate`` against real training in the network testbed.
 
 ``python -m gradzip.bench.validate [--hosts 2 3] [--rates 25mbit 50mbit 100mbit]
-[--compressors none fp16 topk:ratio=0.01,ef=true] [--steps 10] [--md FILE]`` (root; ~10 min on 2 cores)
+[--compressors none fp16 topk:ratio=0.01,ef=true] [--syncs step diloco:every=8] [--steps 10] [--md FILE]``
+(root; ~10 min on 2 cores)
 
-For every host count H and compressor C:
+For every host count H, exchange mode, ``--sync`` S and compressor C (a compressor spec, exchange
+scheme included: ``onebit:exchange=twophase``, ``topk:ratio=0.01,ef=true,exchange=sparse``; the
+prediction is for the same spec, so for the same scheme):
 
-1. calibration: ``gradzip train --backend gloo --netem H:10gbit`` (``--calibration-steps`` steps)
-   — the network is not the bottleneck; the medians of its per-step ``compute_s + opt_s`` and
+1. calibration: ``gradzip train --backend gloo --netem H:10gbit --sync S`` (``--calibration-steps``
+   steps) — the network is not the bottleneck; its per-step ``compute_s + opt_s`` and
    ``compress_s`` (this machine's measured compute and encode/decode time for H ranks sharing its
    cores) calibrate the model;
-2. for every rate R: ``gradzip train --backend gloo --netem H:R``, measured step time = median of
-   ``step_s`` over the steps after the first ``--warmup``;
-3. prediction: :func:`gradzip.cluster.simulate.predict` for H nodes × 1 GPU, bandwidth R,
+2. for every rate R: ``gradzip train --backend gloo --netem H:R --sync S``, measured step time
+   from ``step_s`` over the steps after the first ``--warmup``;
+3. prediction: :func:`gradzip.cluster.simulate.predict` for H nodes × 1 GPU, bandwidth R, sync S,
    link efficiency 1448/1514 (TCP/IPv4 with timestamps over Ethernet, MTU 1500: the shaper
    counts every frame's headers), α = half the testbed's measured TCP round trip, overlap 0 (with
    bert-tiny every bucket is ready only at the end of backward), compute and compression from (1).
 
+Per-step exchange (``--sync step``): every quantity is the median over the steps after warm-up;
+the measured compression time is spread over the model's encode and decode terms so that
+``predict()`` charges exactly it at the calibration's rank count (twophase's server re-encode and
+gTop-k's merges included). Outer modes (``--sync diloco:every=H,...``, ``localsgd:every=H``): a
+step either only computes or also syncs, so medians would drop the syncs: every quantity is the
+mean over the last whole periods after warm-up (the largest multiple of H steps; any H consecutive
+steps send each fragment once). Compute is the inner steps' ``compute_s + opt_s`` (the engine
+measures it before the sync); the calibration's ``compress_s`` per period (pseudo-gradient,
+encode/decode, outer step and merge: all the sync's work on the compute thread) is charged as
+the outer step's local work (``predict(memory_bps=...)`` set so that it equals the measurement;
+it scales with each fragment's parameters). The rows add the sync's cost per period, H × (mean
+step − mean compute), measured and predicted (``Prediction.sync_exposed_s``).
+
 Error = predicted / measured − 1, per configuration. A second error replaces the calibration's
 compute and compression by the run's own measured ones, so that it isolates the network model
 (on a shared machine, compute time drifts between runs). A third, step-calibrated, takes for
-compute the calibration run's median ``step_s`` less its own predicted communication and
-compression: it then includes the time the ranks wait for each other, which the model has no term
-for and which dominates when more ranks than cores share the machine.
+compute the calibration run's step time less its own predicted communication and compression: it
+then includes the time the ranks wait for each other, which the model has no term for and which
+dominates when more ranks than cores share the machine.
 
 Several ranks per host: ``--ranks-per-node K`` runs every configuration with K ranks on each
 emulated host (``gradzip train --ranks-per-node K``: H × K ranks, the ranks of a host talk over
@@ -30,10 +46,12 @@ its loopback), and ``--modes flat hierarchical`` runs each compressor with the f
 inter-node bandwidth R, intra-node bandwidth ``--intra-bandwidth`` (default 10gbit) and latency
 half the TCP round trip inside a host, ``Workload(hierarchical=True)`` for the hierarchical runs
 (flat runs: ring collectives in rank order, as Gloo's, which cross hosts at the link rate).
-Example (about 10 min)::
+Examples (about 10 min each)::
 
     python -m gradzip.bench.validate --hosts 2 --ranks-per-node 2 --rates 100mbit --steps 24 \\
         --calibration-steps 12 --modes hierarchical flat --compressors none onebit:exchange=twophase
+    python -m gradzip.bench.validate --hosts 2 --rates 100mbit --steps 24 --warmup 8 \\
+        --compressors none --syncs diloco:every=8 diloco:every=8,fragments=2
 """
 
 from __future__ import annotations
@@ -52,8 +70,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gradzip.bench.validate_table import markdown, pct
 from gradzip.cluster import simulate as sim
+from gradzip.errors import SpecError
 from gradzip.netem import testbed
+from gradzip.plan.sync import SyncSpec, parse_sync
 from gradzip.units import parse_bandwidth
 
 LINK_EFFICIENCY = 1448 / 1514
@@ -94,11 +115,11 @@ def measure_rtt(tb: testbed.Testbed, src: int = 0, dst: int = 1) -> float:
 
 
 def train(out: Path, hosts: int, rate: str, spec: str, args: argparse.Namespace, steps: int,
-          hierarchical: bool = False) -> dict[str, Any]:
-    """One ``gradzip train`` in the testbed (``args.ranks_per_node`` ranks per host, with
-    ``--hierarchical`` if asked); the per-step records (after warm-up) and the summary."""
+          hierarchical: bool = False, sync: str = "step") -> dict[str, Any]:
+    """One ``gradzip train --sync sync`` in the testbed (``args.ranks_per_node`` ranks per host,
+    with ``--hierarchical`` if asked); every per-step record and the summary."""
     cmd = [sys.executable, "-m", "gradzip", "train", "--backend", "gloo", "--netem", f"{hosts}:{rate}",
-           "--model", args.model, "--compressor", spec, "--steps", str(steps), "--batch-size",
+           "--model", args.model, "--compressor", spec, "--sync", sync, "--steps", str(steps), "--batch-size",
            str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-batches", "0", "--checkpoint-every", "0",
            "--no-progress", "--out", str(out)]
     if args.ranks_per_node > 1:
@@ -116,21 +137,123 @@ def train(out: Path, hosts: int, rate: str, spec: str, args: argparse.Namespace,
     else:
         raise RuntimeError(f"{' '.join(cmd)} failed twice")
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    recs = [r for r in recs if r["step"] > args.warmup]
     summary = json.loads((out / "summary.json").read_text())
     return {"recs": recs, "summary": summary, "wall": time.perf_counter() - t0, "cmd": cmd}
 
 
-def med(recs: list[dict[str, Any]], *keys: str) -> float:
-    return statistics.median(sum(r[k] for k in keys) for r in recs)
+# ------------------------------------------------------------------ measurement and prediction arithmetic
+def period(sync: str | SyncSpec) -> int:
+    """Steps per sync period: H for the outer modes, 1 for ``step``."""
+    s = parse_sync(sync)
+    return s.every if s.outer else 1
 
 
+def window(recs: list[dict[str, Any]], warmup: int, every: int = 1) -> list[dict[str, Any]]:
+    """The records measured: those after step ``warmup``, less the first few so that their count is
+    a multiple of ``every`` (whole sync periods; any ``every`` consecutive steps sync each fragment
+    once)."""
+    after = sorted((r for r in recs if r["step"] > warmup), key=lambda r: r["step"])
+    keep = len(after) // every * every
+    if keep == 0:
+        raise ValueError(f"{len(after)} steps after warm-up {warmup}: fewer than one sync period of {every}")
+    return after[len(after) - keep:]
+
+
+def measure(recs: list[dict[str, Any]], warmup: int, sync: str | SyncSpec = "step") -> dict[str, float]:
+    """What a run measured, per step: ``step_s``, ``compute_s`` (compute + optimizer), ``compress_s``,
+    ``comm_s`` (exposed), ``own_s`` (compute + optimizer + compression) — medians for ``step``,
+    means over whole periods for the outer modes — ``sync_cost_s`` (per period: H × (step − compute)),
+    ``host_step_s`` (host time per step over the same steps: also counts what ``step_s`` leaves
+    out) and ``steps`` (how many)."""
+    every = period(sync)
+    w = window(recs, warmup, every)
+    agg = statistics.fmean if parse_sync(sync).outer else statistics.median
+
+    def of(*keys: str) -> float:
+        return agg([sum(r[k] for k in keys) for r in w])
+
+    m = {"step_s": of("step_s"), "compute_s": of("compute_s", "opt_s"), "compress_s": of("compress_s"),
+         "comm_s": of("comm_s"), "own_s": of("compute_s", "opt_s", "compress_s"), "steps": float(len(w))}
+    m["sync_cost_s"] = every * (m["step_s"] - m["compute_s"])
+    before = [r for r in recs if r["step"] == w[0]["step"] - 1]
+    if before and all("host_s" in r for r in (before[0], w[-1])):
+        m["host_step_s"] = (w[-1]["host_s"] - before[0]["host_s"]) / len(w)
+    return m
+
+
+def calibrate_codec(spec: str, sync: str | SyncSpec, work: sim.Workload, cl: sim.Cluster,
+                    compress_s: float) -> tuple[sim.CodecCost, float | None]:
+    """(codec cost, memory bandwidth for ``predict``) such that the predicted compression time
+    per step at ``cl``'s rank count equals the measured ``compress_s``. Per-step exchange: one cost
+    per element for encode and for decode, scaled to the model's terms (encode, scheme work between
+    rounds, decode). Outer modes: the whole sync's local work as the outer step's
+    (``OUTER_ACCESSES`` fp32 accesses per parameter at the returned bandwidth), no codec."""
+    s = parse_sync(sync)
+    if compress_s <= 0:
+        return sim.CodecCost(), None
+    if s.outer:
+        params = sim.predict(spec, work, cl, sync=s).params
+        return sim.CodecCost(), sim.OUTER_ACCESSES * 4 * params * 8 / (compress_s * s.every)
+    unit = sim.predict(spec, work, cl, sim.CodecCost(1.0, 1.0)).compress_s
+    if unit <= 0:  # nothing compressed (plain `none`): nothing to charge it to
+        return sim.CodecCost(), None
+    return sim.CodecCost(compress_s / unit, compress_s / unit, "calibration"), None
+
+
+def cluster(hosts: int, rate: str, args: argparse.Namespace, alpha: float, intra_alpha: float) -> sim.Cluster:
+    """The testbed as ``predict`` sees it: ``hosts`` nodes of ``--ranks-per-node`` GPUs at ``rate``."""
+    k = args.ranks_per_node
+    return sim.Cluster(hosts, k, parse_bandwidth(rate), parse_bandwidth(args.intra_bandwidth) if k > 1 else 1e12,
+                       alpha, intra_alpha, "ring", LINK_EFFICIENCY)
+
+
+def predictions(spec: str, sync: str, hier: bool, cl: sim.Cluster, cal_cl: sim.Cluster, cal: dict[str, float],
+                args: argparse.Namespace) -> tuple[sim.Prediction, sim.Prediction | None]:
+    """(calibrated prediction, step-calibrated prediction or None) for ``cl`` from the calibration
+    measurement ``cal`` (:func:`measure`) made on ``cal_cl``. Step-calibrated: the calibration's
+    whole step, less its own predicted communication and compression, stands for compute (so it
+    includes the ranks' waits for each other)."""
+    tokens = args.batch_size * args.seq_len
+    work = sim.Workload(args.model, tokens / cal["compute_s"], args.batch_size, args.seq_len, overlap=0.0,
+                        hierarchical=hier)
+    codec, mem = calibrate_codec(spec, sync, work, cal_cl, cal["compress_s"])
+    p = sim.predict(spec, work, cl, codec, sync=sync, memory_bps=mem)
+    p_cal = sim.predict(spec, work, cal_cl, codec, sync=sync, memory_bps=mem)
+    rest = cal["step_s"] - (p_cal.step_s - p_cal.compute_s)
+    if rest <= 0:
+        return p, None
+    return p, sim.predict(spec, replace(work, tokens_per_second=tokens / rest), cl, codec, sync=sync, memory_bps=mem)
+
+
+def compare(measured: dict[str, float], p: sim.Prediction, p_step: sim.Prediction | None,
+            every: int) -> dict[str, Any]:
+    """The errors of one run: predicted / measured − 1 of the step (calibrated, same-run compute:
+    the run's own compute and compression plus the predicted exposed communication, and
+    step-calibrated) and of the sync's cost per period."""
+    step = measured["step_s"]
+    same_run = measured["own_s"] + p.exposed_comm_s
+    sync_cost = every * (p.step_s - p.compute_s)
+    return {"measured_step_s": step, "predicted_step_s": p.step_s, "error": p.step_s / step - 1,
+            "error_same_run_compute": same_run / step - 1,
+            "predicted_step_s_step_calibrated": p_step.step_s if p_step else None,
+            "error_step_calibrated": p_step.step_s / step - 1 if p_step else None,
+            "measured_comm_s": measured["comm_s"], "predicted_comm_s": p.exposed_comm_s,
+            "measured_sync_cost_s": measured["sync_cost_s"], "predicted_sync_cost_s": sync_cost,
+            "error_sync_cost": sync_cost / measured["sync_cost_s"] - 1 if measured["sync_cost_s"] > 0 else None}
+
+
+# ------------------------------------------------------------------ command line
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m gradzip.bench.validate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--rates", nargs="+", default=["25mbit", "50mbit", "100mbit"])
-    ap.add_argument("--compressors", nargs="+", default=["none", "fp16", "topk:ratio=0.01,ef=true"])
+    ap.add_argument("--compressors", nargs="+", default=["none", "fp16", "topk:ratio=0.01,ef=true"],
+                    help="compressor specs, exchange scheme included (e.g. onebit:exchange=twophase, "
+                         "topk:ratio=0.01,ef=true,exchange=sparse)")
+    ap.add_argument("--syncs", nargs="+", default=["step"],
+                    help="gradzip train --sync specs, each run with every compressor (e.g. step diloco:every=8 "
+                         "diloco:every=8,fragments=2; default step)")
     ap.add_argument("--calibration-rate", default="10gbit")
     ap.add_argument("--ranks-per-node", type=int, default=1, help="ranks on each emulated host (default 1)")
     ap.add_argument("--modes", nargs="+", choices=("flat", "hierarchical"), default=["flat"],
@@ -142,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibration-steps", type=int, default=None,
                     help="steps of each calibration run (default: --steps; compute keeps getting faster over "
                          "the first steps, so equal lengths compare like with like)")
-    ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
+    ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the measurement")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--run-timeout", type=float, default=300)
@@ -162,6 +285,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--ranks-per-node must be >= 1")
     for r in [*args.rates, args.intra_bandwidth]:
         parse_bandwidth(r)
+    syncs = []
+    for text in args.syncs:
+        try:
+            s = parse_sync(text)
+        except SpecError as e:
+            ap.error(str(e))
+        every = period(s)
+        if min(args.steps, args.calibration_steps) - args.warmup < every:
+            ap.error(f"--sync {text}: --steps and --calibration-steps must leave at least one period of {every} "
+                     f"steps after --warmup {args.warmup} (better several, and --warmup a multiple of {every})")
+        syncs.append("step" if not s.outer else text)
+    args.syncs = syncs
     return args
 
 
@@ -181,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         intra_alpha = measure_rtt(tb, 0, 0) / 2 if k > 1 else 0.0
         print(f"testbed {PREFIX}: {tb.hosts} hosts; TCP round trip {rtt * 1e6:.0f} us -> alpha {alpha * 1e6:.0f} us"
               + (f"; inside a host alpha {intra_alpha * 1e6:.0f} us" if k > 1 else ""), flush=True)
-        configs = [(h, mode, spec) for h in args.hosts for mode in args.modes for spec in args.compressors]
-        for hosts, mode, spec in configs:
-            rows += _validate_config(root, hosts, mode, spec, args, alpha, intra_alpha)
+        configs = [(h, mode, sync, spec) for h in args.hosts for mode in args.modes for sync in args.syncs
+                   for spec in args.compressors]
+        for hosts, mode, sync, spec in configs:
+            rows += _validate_config(root, hosts, mode, sync, spec, args, alpha, intra_alpha)
     finally:
         if how == "created":
             testbed.down(PREFIX)
@@ -198,126 +334,66 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _validate_config(root: Path, hosts: int, mode: str, spec: str, args: argparse.Namespace, alpha: float,
-                     intra_alpha: float) -> list[dict[str, Any]]:
-    """One calibration run of ``hosts`` hosts with ``spec`` in ``mode``, then one run per rate,
-    each compared with the prediction: one row per rate."""
+def _tag(k: int, hier: bool, sync: str, spec: str) -> str:
+    """A directory name for one configuration."""
+    def clean(t: str) -> str:
+        return t.replace(":", "-").replace(",", "-").replace("=", "")
+    return ((f"k{k}-" if k > 1 else "") + ("hier-" if hier else "") + ("" if sync == "step" else clean(sync) + "-")
+            + clean(spec))
+
+
+def _validate_config(root: Path, hosts: int, mode: str, sync: str, spec: str, args: argparse.Namespace,
+                     alpha: float, intra_alpha: float) -> list[dict[str, Any]]:
+    """One calibration run of ``hosts`` hosts with ``spec`` and ``sync`` in ``mode``, then one run
+    per rate, each compared with the prediction: one row per rate."""
     k = args.ranks_per_node
     hier = mode == "hierarchical"
-    tag = spec.replace(":", "-").replace(",", "-").replace("=", "")
-    tag = (f"k{k}-" if k > 1 else "") + ("hier-" if hier else "") + tag
-    cal = train(root / f"h{hosts}-{tag}-cal", hosts, args.calibration_rate, spec, args, args.calibration_steps, hier)
-    compute = med(cal["recs"], "compute_s", "opt_s")
-    compress = med(cal["recs"], "compress_s")
-    print(f"calibration H={hosts}{f'x{k}' if k > 1 else ''}{' hierarchical' if hier else ''} {spec}: "
-          f"compute+opt {compute * 1e3:.0f} ms, compress "
-          f"{compress * 1e3:.0f} ms ({cal['wall']:.0f} s)", flush=True)
+    tag = _tag(k, hier, sync, spec)
+    what = f"H={hosts}{f'x{k}' if k > 1 else ''}{' hier' if hier else ''}{'' if sync == 'step' else ' ' + sync}"
+    cal = train(root / f"h{hosts}-{tag}-cal", hosts, args.calibration_rate, spec, args, args.calibration_steps,
+                hier, sync)
+    cal_m = measure(cal["recs"], args.warmup, sync)
+    print(f"calibration {what} {spec}: compute+opt {cal_m['compute_s'] * 1e3:.0f} ms, compress "
+          f"{cal_m['compress_s'] * 1e3:.0f} ms, step {cal_m['step_s'] * 1e3:.0f} ms ({cal['wall']:.0f} s)", flush=True)
     rows = []
     for rate in args.rates:
-        run = train(root / f"h{hosts}-{tag}-{rate}", hosts, rate, spec, args, args.steps, hier)
-        row = _compare(hosts, mode, rate, spec, args, cal, run, alpha, intra_alpha)
+        run = train(root / f"h{hosts}-{tag}-{rate}", hosts, rate, spec, args, args.steps, hier, sync)
+        row = _row(hosts, mode, sync, rate, spec, args, cal, cal_m, run, alpha, intra_alpha)
         rows.append(row)
-        print(f"H={hosts}{f'x{k}' if k > 1 else ''} {'hier ' if hier else ''}{rate:>8} {spec:<26} "
-              f"measured {row['measured_step_s'] * 1e3:6.0f} ms  predicted "
+        print(f"{what} {rate:>8} {spec:<26} measured {row['measured_step_s'] * 1e3:6.0f} ms  predicted "
               f"{row['predicted_step_s'] * 1e3:6.0f} ms  error {row['error']:+.1%} (same-run compute "
               f"{row['error_same_run_compute']:+.1%}, step-calibrated "
-              f"{_pct(row['error_step_calibrated'], 1)})  wire overhead "
-              f"{_pct(row['wire_overhead'])}  ({run['wall']:.0f} s)", flush=True)
+              f"{pct(row['error_step_calibrated'], 1)}, sync cost {pct(row['error_sync_cost'], 1)})  wire overhead "
+              f"{pct(row['wire_overhead'])}  ({run['wall']:.0f} s)", flush=True)
     return rows
 
 
-def _compare(hosts: int, mode: str, rate: str, spec: str, args: argparse.Namespace, cal: dict[str, Any],
-             run: dict[str, Any], alpha: float, intra_alpha: float) -> dict[str, Any]:
+def _row(hosts: int, mode: str, sync: str, rate: str, spec: str, args: argparse.Namespace, cal: dict[str, Any],
+         cal_m: dict[str, float], run: dict[str, Any], alpha: float, intra_alpha: float) -> dict[str, Any]:
     """The row of one run: what it measured against what ``gradzip simulate`` predicts for it from
-    the calibration run ``cal``."""
-    k, hier = args.ranks_per_node, mode == "hierarchical"
-    compute = med(cal["recs"], "compute_s", "opt_s")
-    compress = med(cal["recs"], "compress_s")
+    the calibration run ``cal`` (measured: ``cal_m``)."""
     s = run["summary"]
-    work = sim.Workload(args.model, args.batch_size * args.seq_len / compute, args.batch_size,
-                        args.seq_len, overlap=0.0, **({"hierarchical": True} if hier else {}))
-    cl = sim.Cluster(hosts, k, parse_bandwidth(rate), parse_bandwidth(args.intra_bandwidth)
-                     if k > 1 else 1e12, alpha, intra_alpha, "ring", LINK_EFFICIENCY)
-    elems = sim.predict(spec, work, cl).detail["compressed_elements"] or 1
-    codec = sim.CodecCost(compress / elems, 0.0, "calibration")
-    p = sim.predict(spec, work, cl, codec)
-    # Step-calibrated: the calibration's whole step, less its own predicted communication
-    # and compression, stands for compute (so it includes the ranks' waits for each other).
-    p_cal = sim.predict(spec, work, replace(cl, inter_bps=parse_bandwidth(args.calibration_rate)), codec)
-    rest = med(cal["recs"], "step_s") - p_cal.exposed_comm_s - p_cal.compress_s
-    p_step = sim.predict(spec, replace(work, tokens_per_second=args.batch_size * args.seq_len / rest),
-                         cl, codec) if rest > 0 else None
+    cl = cluster(hosts, rate, args, alpha, intra_alpha)
+    cal_cl = replace(cl, inter_bps=parse_bandwidth(args.calibration_rate))
+    p, p_step = predictions(spec, sync, mode == "hierarchical", cl, cal_cl, cal_m, args)
     if p.params != s["params"]:
         raise RuntimeError(f"model sizes differ: simulate {p.params}, train {s['params']}")
-    measured = med(run["recs"], "step_s")
-    # the network model alone: this run's own compute and compression + predicted comm
-    same_run = med(run["recs"], "compute_s", "opt_s", "compress_s") + p.exposed_comm_s
-    return {"hosts": hosts, "ranks_per_node": k, "mode": mode, "rate": rate, "compressor": spec,
-            "measured_step_s": measured,
-            "predicted_step_s": p.step_s, "error": p.step_s / measured - 1,
-            "error_same_run_compute": same_run / measured - 1,
-            "predicted_step_s_step_calibrated": p_step.step_s if p_step else None,
-            "error_step_calibrated": p_step.step_s / measured - 1 if p_step else None,
-            "measured_comm_s": med(run["recs"], "comm_s"), "predicted_comm_s": p.exposed_comm_s,
-            "compute_s": compute, "compress_s": compress,
-            "calibration_step_s": med(cal["recs"], "step_s"), "bytes_per_step": s["bytes_per_step"],
+    if s.get("exchange", p.exchange) != p.exchange:
+        print(f"warning: {spec}: simulate's exchange {p.exchange}, train's {s['exchange']}", flush=True)
+    m = measure(run["recs"], args.warmup, sync)
+    return {"hosts": hosts, "ranks_per_node": args.ranks_per_node, "mode": mode, "sync": sync, "rate": rate,
+            "compressor": spec, "exchange": p.exchange, "train_exchange": s.get("exchange"),
+            **compare(m, p, p_step, period(sync)),
+            "measured_steps": m["steps"], "measured_host_step_s": m.get("host_step_s"),
+            "compute_s": cal_m["compute_s"], "compress_s": cal_m["compress_s"],
+            "calibration_step_s": cal_m["step_s"], "bytes_per_step": s["bytes_per_step"],
             "predicted_sent_bytes": p.sent_bytes,
             "inter_bytes_per_step": s.get("inter_bytes_per_step"),
             "predicted_inter_bytes": getattr(p, "inter_bytes", None),
             "wire_bytes_per_step": s.get("wire_bytes_per_step"),
             "wire_overhead": s.get("wire_overhead"),
-            "wire_frame_overhead": s.get("wire_frame_overhead"), "run_s": run["wall"]}
-
-
-def _pct(v: float | None, digits: int = 2) -> str:
-    return "n/a" if v is None else f"{v:+.{digits}%}"
-
-
-def markdown(rows: list[dict[str, Any]], alpha: float, args: argparse.Namespace, total_s: float) -> str:
-    """The table of ``rows``; with several ranks per host or hierarchical runs, also the layout
-    (hosts × ranks, exchange) and the inter-host bytes per rank per step (measured by the engine,
-    predicted, and on the wire)."""
-    wide = any(r.get("ranks_per_node", 1) > 1 or r.get("mode", "flat") != "flat" for r in rows)
-    head = "| hosts | rate | compressor | "
-    rule = "|---|---|---|"
-    if wide:
-        head = "| hosts × ranks | exchange | rate | compressor | "
-        rule = "|---|---|---|---|"
-    head += ("measured step | predicted step | error | error, same-run compute | measured exposed comm | "
-             "predicted comm | wire/accounted − 1 (tx_bytes; frames) |")
-    rule += "---|---|---|---|---|---|---|"
-    if wide:
-        head += " predicted step, step-calibrated (error) | inter-host bytes/rank/step: engine, predicted, wire |"
-        rule += "---|---|"
-    out = [head, rule]
-    for r in rows:
-        lead = (f"| {r['hosts']} × {r.get('ranks_per_node', 1)} | {r.get('mode', 'flat')} | " if wide
-                else f"| {r['hosts']} | ")
-        line = (f"{lead}{r['rate']} | `{r['compressor']}` | {r['measured_step_s'] * 1e3:.0f} ms | "
-                f"{r['predicted_step_s'] * 1e3:.0f} ms | {r['error']:+.1%} | {r['error_same_run_compute']:+.1%} | "
-                f"{r['measured_comm_s'] * 1e3:.0f} ms | "
-                f"{r['predicted_comm_s'] * 1e3:.0f} ms | {_pct(r['wire_overhead'])}; "
-                f"{_pct(r['wire_frame_overhead'])} |")
-        if wide:
-            def mb(v: float | None) -> str:
-                return "n/a" if v is None else f"{v / 1e6:.3f} MB"
-            ps = r.get("predicted_step_s_step_calibrated")
-            line += (f" {'n/a' if ps is None else f'{ps * 1e3:.0f} ms'} ({_pct(r.get('error_step_calibrated'), 1)}) |"
-                     f" {mb(r.get('inter_bytes_per_step'))}, {mb(r.get('predicted_inter_bytes'))}, "
-                     f"{mb(r.get('wire_bytes_per_step'))} |")
-        out.append(line)
-    errs = [abs(r["error"]) for r in rows]
-    errs2 = [abs(r["error_same_run_compute"]) for r in rows]
-    if errs:
-        out.append(f"\n{len(rows)} configurations; |error| median {statistics.median(errs):.1%}, max {max(errs):.1%} "
-                   f"(same-run compute: median {statistics.median(errs2):.1%}, max {max(errs2):.1%}); "
-                   f"alpha {alpha * 1e6:.0f} us; {args.model}, batch {args.batch_size} x {args.seq_len} tokens, "
-                   f"{args.steps} steps, {args.calibration_steps} for calibration (first {args.warmup} left out); "
-                   f"total {total_s:.0f} s.")
-        errs3 = [abs(r["error_step_calibrated"]) for r in rows if r.get("error_step_calibrated") is not None]
-        if wide and errs3:
-            out.append(f"Step-calibrated: |error| median {statistics.median(errs3):.1%}, max {max(errs3):.1%}.")
-    return "\n".join(out) + "\n"
+            "wire_frame_overhead": s.get("wire_frame_overhead"), "run_s": run["wall"],
+            "calibration_run_s": cal["wall"]}
 
 
 if __name__ == "__main__":
