@@ -5,8 +5,8 @@ memory carried across switches) with the loop that steers it:
 
 1. **Warm-up**: the first ``warmup`` steps go uncompressed, every bucket on ``none``.
 2. **Measure** after the first step that has a compute time: the link (sim: the modelled one;
-   real backends: allreduces of 64 KiB, 1 MiB and 8 MiB, their α–β fit) and each candidate's
-   encode + decode time per element on buffers of the actual buckets' sizes. Real backends take
+   real backends: allreduces of 64 KiB, 1 MiB and, on a fast link, 8 MiB, their α–β fit) and
+   each candidate's encode + decode time per element on buffers of the actual buckets' sizes. Real backends take
    the mean of each figure over the ranks (one small allreduce), so every rank plans alike.
 3. **Plan** (:func:`gradzip.cluster.auto.plan_buckets`): per bucket, the candidate that minimises
    the step predicted by the cost model, overlap included, within the ``floor``; assign it.

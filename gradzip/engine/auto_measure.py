@@ -1,8 +1,8 @@
 """What the ``auto`` policy measures and how it turns measurements into a plan, shared by the
 engine's policy (:mod:`gradzip.engine.auto`) and the DDP hook's (:mod:`gradzip.engine.ddp_auto`).
 
-- :func:`probe_link`: the link's latency and bandwidth, an α–β fit of timed ring allreduces of
-  64 KiB and 8 MiB (the best of 3 each; a 1 MiB one in between warms the path);
+- :func:`probe_link`: the link's latency and bandwidth, an α–β fit of timed ring allreduces
+  (the best of 3 each) of 64 KiB and 1 MiB, and 8 MiB when 1 MiB takes under 20 ms;
 - :func:`time_codecs`: each candidate's encode + decode seconds per element, on buffers of the
   actual compressed buckets' sizes (the best of 2 rounds);
 - :func:`agree`: the mean of each figure over the ranks, so that every rank plans alike;
@@ -31,10 +31,16 @@ from gradzip.io import atomic_write_text, read_jsonl
 from gradzip.plan.auto import AutoSpec
 
 PROBE_BYTES = (64 << 10, 1 << 20, 8 << 20)
+PROBE_ENOUGH_S = 0.02  # a transfer this long measures the bandwidth well enough
 
 
 def probe_link(comm: Any, n: int, device: torch.device | str = "cpu") -> tuple[float, float]:
-    """(latency s, bandwidth bits/s) from timed allreduces on ``comm`` (``n`` ranks; collective)."""
+    """(latency s, bandwidth bits/s) from timed allreduces on ``comm`` (``n`` ranks; collective).
+
+    Sizes go up from 64 KiB and stop at the first (after two) whose transfer takes
+    :data:`PROBE_ENOUGH_S`: a longer one would tell no more and, on a slow link, costs seconds of
+    link time (8 MiB take 1.3 s at 100 Mbit/s). Every rank stops at the same size: the decision
+    is on the ranks' mean time (one 8-byte allreduce per size)."""
     if n <= 1:
         return 0.0, float("inf")
     pts = []
@@ -45,7 +51,10 @@ def probe_link(comm: Any, n: int, device: torch.device | str = "cpu") -> tuple[f
             t0 = time.perf_counter()
             comm.allreduce(buf, "sum")
             best = min(best, time.perf_counter() - t0)
+        best = agree(comm, n, [best], device)[0]
         pts.append((2 * (n - 1) / n * nbytes * 8, best))  # ring allreduce: bits each rank sends, time
+        if len(pts) >= 2 and best >= PROBE_ENOUGH_S:
+            break
     (x0, t0), (x1, t1) = pts[0], pts[-1]
     per_bit = max((t1 - t0) / max(x1 - x0, 1.0), 1e-15)
     alpha = max(0.0, (t0 - per_bit * x0) / (2 * (n - 1)))

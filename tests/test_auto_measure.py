@@ -1,0 +1,40 @@
+"""The auto policy's link probe (gradzip.engine.auto_measure.probe_link) against a link with a known
+latency and bandwidth: it recovers them, and on a slow link it stops at the first size that
+measures well instead of sending 8 MiB."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gradzip.engine.auto_measure import probe_link
+
+
+class Link:
+    """Two ranks on a ring whose allreduce of B bytes takes 2α + B·8/β (each rank sends B);
+    the other rank is this one's twin, so a mean over ranks is the value itself."""
+
+    def __init__(self, alpha: float, bandwidth: float) -> None:
+        self.alpha, self.bandwidth, self.sizes = alpha, bandwidth, []
+
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        if t.dtype == torch.float32:  # the probe's payloads (the agreement is float64)
+            self.sizes.append(nbytes)
+            time.sleep(2 * self.alpha + nbytes * 8 / self.bandwidth)
+        return t
+
+
+@pytest.mark.parametrize(("bandwidth", "largest"), [(100e6, 1 << 20), (10e9, 8 << 20)])
+def test_probe_recovers_the_link_and_stops_early_on_a_slow_one(bandwidth, largest):
+    link = Link(200e-6, bandwidth)
+    alpha, bw = probe_link(link, 2)
+    assert max(link.sizes) == largest and len(link.sizes) == 3 * (2 if largest == 1 << 20 else 3)
+    assert bw == pytest.approx(bandwidth, rel=0.25)  # sleep overshoots by ~0.1 ms per call
+    assert 0 <= alpha < 2e-3
+
+
+def test_one_rank_has_no_link():
+    assert probe_link(Link(0, 1), 1) == (0.0, float("inf"))
