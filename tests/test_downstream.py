@@ -65,6 +65,12 @@ examples = [32, 16]
     stamp = (out / "compressor=none" / "downstream" / "seed=0" / "summary.json").stat().st_mtime_ns
     assert main(["sweep", str(spec), "--out", str(out)]) == 0
     assert (out / "compressor=none" / "downstream" / "seed=0" / "summary.json").stat().st_mtime_ns == stamp
+    # another recipe never reuses (or overwrites) a seed fine-tuned with the old one
+    write(spec, spec.read_text().replace("epochs = 1", "epochs = 2"))
+    capsys.readouterr()
+    main(["sweep", str(spec), "--out", str(out)])
+    assert "fine-tuned with other settings (epochs differ from [downstream])" in capsys.readouterr().out
+    assert (out / "compressor=none" / "downstream" / "seed=0" / "summary.json").stat().st_mtime_ns == stamp
     assert main(["plot", str(out), "--figures", "downstream_vs_bytes"]) == 0
     assert (out / "figures" / "downstream_vs_bytes.png").stat().st_size > 10_000
 

@@ -18,7 +18,8 @@ For a cell in ``DIR``, everything goes under ``DIR/downstream/``: ``hf/`` (``gra
 Hugging Face directory of the cell's last checkpoint), ``task/`` (the keyword task's files),
 ``seed=S/`` (one ``gradzip finetune`` run each: its ``summary.json`` and ``metrics.jsonl``), and
 ``summary.json``: the mean ``accuracy`` and ``f1`` over the seeds, each seed's, and the cell's
-pretraining ``bytes_total``. A finished seed is not run again. ``gradzip plot``'s figure
+pretraining ``bytes_total``. A finished seed is not run again; one that ran another recipe (or a
+task of other sizes) is a one-line error for that cell, never silently reused or overwritten. ``gradzip plot``'s figure
 ``downstream_vs_bytes`` draws downstream accuracy against the bytes sent in pretraining.
 """
 
@@ -92,13 +93,19 @@ def run_downstream(cell_dir: Path, config: dict[str, Any], ds: Downstream, echo:
             write_keyword_task(task, load_corpus(config.get("corpus"), progress=False), *ds.examples,
                                seed=int(config.get("seed", 0)))
         train, validation = str(task / FILES[0]), str(task / FILES[1])
+        counts = tuple(sum(1 for line in open(f, encoding="utf-8") if line.strip()) for f in (train, validation))
+        if counts != tuple(ds.examples):
+            raise GradzipError(f"{task} holds {counts[0]} + {counts[1]} examples, not the {ds.examples[0]} + "
+                               f"{ds.examples[1]} that [downstream] asks for; move {root} away or use another --out")
     else:
         train, validation = str(ds.train), str(ds.validation)
     runs = []
     for seed in range(ds.seeds):
         out = root / f"seed={seed}"
         done = _read(out / "summary.json")
-        if done is None:
+        if done is not None:
+            _check_recipe(done, ds, seed, out)
+        else:
             done = finetune(FinetuneConfig(checkpoint=str(hf), train=train, validation=validation, out=str(out),
                                            epochs=ds.epochs, lr=ds.lr, batch_size=ds.batch_size, seq_len=ds.seq_len,
                                            seed=seed), echo=print if echo else None)
@@ -112,6 +119,18 @@ def run_downstream(cell_dir: Path, config: dict[str, Any], ds: Downstream, echo:
                "compressor": pre.get("compressor"), "final_eval_mlm_loss": pre.get("final_eval_mlm_loss")}
     atomic_write_json(root / "summary.json", summary)
     return summary
+
+
+def _check_recipe(done: dict[str, Any], ds: Downstream, seed: int, out: Path) -> None:
+    """A finished seed is reused only if it ran the recipe [downstream] asks for now."""
+    got = done.get("settings") or {}
+    want = {"epochs": ds.epochs, "lr": ds.lr, "batch_size": ds.batch_size, "seq_len": ds.seq_len, "seed": seed}
+    diff = [k for k, v in want.items() if got.get(k) != v]
+    if ds.task == "keywords" and done.get("examples") != {"train": ds.examples[0], "validation": ds.examples[1]}:
+        diff.append("examples")
+    if diff:
+        raise GradzipError(f"{out} was fine-tuned with other settings ({', '.join(diff)} differ from [downstream]); "
+                           "move it away or use another --out")
 
 
 def _read(path: Path) -> dict[str, Any] | None:
