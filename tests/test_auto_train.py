@@ -33,11 +33,15 @@ def test_a_slow_link_is_planned_compressed_and_replanned(tmp_path, corpus):
     assert metrics[1]["bytes_sent"] < metrics[0]["bytes_sent"] / 3
     assert summary["auto_plans"] == 2 and summary["exchange"] == "per bucket" and not summary["auto_none_is_best"]
     assert sum(summary["auto_choice"].values()) == len(policy[0]["buckets"])
-    # gradzip plot draws the decisions over the run on the measured link
+    # gradzip plot draws the decisions over the run on the measured link, and the rate a trace set
+    # (link.jsonl, as gradzip train --netem-trace writes it: here made up)
+    (tmp_path / "slow" / "link.jsonl").write_text('{"t": 0, "step": 0, "rate_bps": 1e8}\n'
+                                                  '{"t": 1, "step": 2, "rate_bps": 1e9}\n')
     assert main(["plot", str(tmp_path / "slow"), "--figures", "policy"]) == 0
     png = tmp_path / "slow" / "figures" / "policy.png"
     assert png.stat().st_size > 10_000
     assert "policy.jsonl" in (tmp_path / "slow" / "figures" / "figures.md").read_text()
+    assert "the rate the testbed's trace set (link.jsonl)" in (tmp_path / "slow" / "figures" / "figures.md").read_text()
 
 
 def test_a_free_link_says_none_is_best(tmp_path, corpus):

@@ -501,3 +501,123 @@ def test_reshape_trace_reshapes_the_running_testbed(prefix, tmp_path):
         assert bad.returncode == 2 and "give --rate (one change) or --trace FILE" in bad.stderr
     finally:
         tb.down(prefix)
+
+
+# -- unshaped links; gradzip train --netem-trace ----------------------------------------------------
+def test_unshaped_spelling():
+    from gradzip.errors import GradzipError
+    from gradzip.netem.spec import parse_netem, parse_rate
+    from gradzip.netem.trace import parse_trace
+
+    s = parse_netem("2:unshaped")
+    assert s.shaping == Shaping(None) and s.shaping.unshaped and s.shaping.describe() == "unshaped"
+    assert parse_rate("Unshaped") is None and parse_rate("1gbit") == 1e9
+    assert [p.shaping.rate_bps for p in parse_trace("0, unshaped\n5, 1gbit\n")] == [None, 1e9]
+    for bad in ("2:unshaped:1ms", "2:unshaped:0:1"):
+        with pytest.raises(GradzipError, match="unshaped link takes no delay or loss"):
+            parse_netem(bad)
+    from gradzip.experiments.spec import netem_for_cell
+    from gradzip.plots.results import Run
+    from gradzip.training.config import TrainConfig
+
+    cell = netem_for_cell({"backend": "gloo", "workers": 2, "bandwidth": "unshaped"})
+    assert cell["netem"] == "2:unshaped" and TrainConfig.from_dict(cell).bandwidth == "unshaped"
+    assert Run(Path("x"), "x", {"bandwidth": "unshaped"}, None, []).bandwidth_bps is None  # no rate to plot
+
+
+def test_trace_resolution_shipped_and_relative(tmp_path, monkeypatch):
+    from gradzip.errors import GradzipError
+    from gradzip.netem.trace import SHIPPED, default_period, read_trace, resolve_trace
+
+    shipped = SHIPPED / "10gbit-100mbit-30s.txt"
+    assert resolve_trace("10gbit-100mbit-30s") == resolve_trace("10gbit-100mbit-30s.txt") == shipped
+    pts = read_trace(shipped)
+    assert [(p.t, p.shaping.rate_bps) for p in pts] == [(0, 10e9), (30, 100e6)] and default_period(pts) == 60
+    (tmp_path / "10gbit-100mbit-30s.txt").write_text("0, 1gbit\n")  # a file of that name wins over the shipped one
+    monkeypatch.chdir(tmp_path)
+    assert resolve_trace("10gbit-100mbit-30s.txt") == Path("10gbit-100mbit-30s.txt")
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "mine.txt").write_text("0, 1gbit\n")
+    assert resolve_trace("mine.txt", base=tmp_path / "specs") == tmp_path / "specs" / "mine.txt"
+    with pytest.raises(GradzipError, match=r"--netem-trace sub/x.txt: no such file \(relative to .*specs\), nor a "
+                       r"shipped trace of that name; shipped: 10gbit-100mbit-30s"):
+        resolve_trace("sub/x.txt", base=tmp_path / "specs", flag="--netem-trace")
+
+
+def test_sweep_spec_reads_a_relative_trace_from_its_directory(tmp_path):
+    from gradzip.errors import SpecError
+    from gradzip.experiments.spec import load_spec
+
+    (tmp_path / "link.txt").write_text("0, 1gbit\n2, 100mbit\n")
+    spec = tmp_path / "s.toml"
+    spec.write_text('[base]\nbackend = "gloo"\nworkers = 2\nnetem_trace = "link.txt"\n'
+                    '[grid]\nbandwidth = ["1gbit", "unshaped"]\n')
+    cells = load_spec(spec).cells
+    assert [c.config["netem"] for c in cells] == ["2:1gbit", "2:unshaped"]
+    assert all(c.config["netem_trace"] == str(tmp_path / "link.txt") for c in cells)
+    spec.write_text('[base]\nbackend = "gloo"\nworkers = 2\nnetem_trace = "gone.txt"\n[grid]\nbandwidth = ["1gbit"]\n')
+    with pytest.raises(SpecError, match="--netem-trace gone.txt: no such file"):
+        load_spec(spec)
+    spec.write_text('[base]\nbackend = "gloo"\nnetem_trace = "link.txt"\n[grid]\nseed = [0]\n')  # no bandwidth
+    with pytest.raises(SpecError, match="needs --netem"):
+        load_spec(spec)
+
+
+def test_playback_thread_repeats_until_the_block_ends_and_the_run_log_waits_for_the_run(tmp_path):
+    from gradzip.netem.trace import Playback, parse_trace
+    from gradzip.training.launch import RunLinkLog
+
+    out = tmp_path / "run"
+    log = RunLinkLog(out)
+    applied: list[float | None] = []
+    with Playback(parse_trace("0, 1gbit\n0.05, unshaped\n"), lambda sh: applied.append(sh.rate_bps), log) as pb:
+        time.sleep(0.33)  # period 0.1 s: about 7 changes
+        assert log.pending and not out.exists()  # held back: --out must stay empty until the ranks take it
+        out.mkdir()
+        (out / "config.toml").write_text("steps = 3\n")
+        (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')  # a torn last line
+        time.sleep(0.25)
+    n = len(applied)
+    time.sleep(0.15)
+    assert len(applied) == n >= 5 and pb.error is None and applied[:3] == [1e9, None, 1e9]  # stopped for good
+    rows = [json.loads(x) for x in (out / "link.jsonl").read_text().splitlines()]
+    assert len(rows) == n and rows[0]["step"] == 0 and rows[-1]["step"] == 2
+    assert [r["rate"] for r in rows[:2]] == ["1gbit", "unshaped"] and rows[1]["rate_bps"] is None
+    assert {"t", "unix", "rate_bps", "delay_s", "loss_pct", "applied_s"} <= set(rows[0])
+
+
+def test_policy_figure_reads_the_run_directory_link_log(tmp_path):
+    from gradzip.plots.policy import load_link
+    from gradzip.plots.results import Run
+
+    (tmp_path / "link.jsonl").write_text('{"step": 0, "rate_bps": 1e10}\n{"t": 3, "rate_bps": 1e8}\n'
+                                         '{"step": 40, "rate_bps": 1e8}\nnot json\n{"step": 90, "rate_bps": null}\n')
+    assert load_link(Run(tmp_path, "x", {}, None, [])) == [(0, 1e10), (40, 1e8)]
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_train_with_a_netem_trace_logs_the_link_and_restores_the_testbed(prefix, corpus, tmp_path):
+    """`gradzip train --netem 2:10gbit --netem-trace` in a testbed that was up at 10 Gbit/s: the trace
+    (10 Gbit/s, then unshaped after 1 s) is played while the run goes on, link.jsonl records it, and
+    the testbed is back at 10 Gbit/s afterwards."""
+    tb.up(2, Shaping(10e9), prefix=prefix)
+    trace, out = tmp_path / "link.txt", tmp_path / "run"
+    trace.write_text("0, 10gbit\n1, unshaped\n60, 1gbit\n")  # the run ends long before the third row
+    env = {"GRADZIP_NETEM_PREFIX": prefix, "OMP_NUM_THREADS": "1"}
+    p = gradzip("train", "--backend", "gloo", "--netem", "2:10gbit", "--netem-trace", str(trace), "--model",
+                "bert-tiny", "--vocab-size", "512", "--corpus", str(corpus), "--seq-len", "32", "--batch-size", "4",
+                "--steps", "3", "--eval-batches", "0", "--checkpoint-every", "0", "--no-progress", "--out", str(out),
+                env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "link.jsonl").read_text().splitlines()]
+    assert [r["rate_bps"] for r in rows] == [10e9, None] and rows[1]["t"] >= 1.0, rows
+    assert all(0 <= r["step"] <= 3 for r in rows) and rows[0]["unix"] < rows[1]["unix"]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["netem"]["trace"] == str(trace) and s["netem"]["testbed"] == "existing" and s["netem"]["rate_bps"] == 10e9
+    assert s["wire_bytes"] > 0 and s["wire_frame_bytes"] is None  # the qdiscs' counters restarted at each change
+    after = tb.load(prefix)
+    assert after is not None and after.shaping == Shaping(10e9)
+    cls = subprocess.run([tb.tool("tc"), "-n", f"{prefix}-h0", "class", "show", "dev", "eth0"], capture_output=True,
+                         text=True).stdout
+    assert "rate 10Gbit" in cls  # htb back in place of the unshaped pfifo_fast

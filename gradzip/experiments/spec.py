@@ -44,6 +44,8 @@ Contract:
   ``TrainConfig.from_dict`` when the spec is loaded, so a bad value fails before any cell runs.
 - ``out`` and ``resume`` are set by the sweep runner and may not appear in a spec (nor ``config``).
 - A key is set in one place only: ``[base]`` or one grid axis.
+- ``netem_trace`` (a real-backend cell in the testbed): a relative path is read from the spec
+  file's directory; a name that is no file there is a shipped trace (:func:`trace_for_spec`).
 - ``[plot.where]`` maps a figure name to a table of train keys, each with a value or a list of
   values: that figure is drawn from the runs whose value of every key is the value or one of the
   list's (the value as written in the grid, else the cell's resolved configuration; numbers compare
@@ -88,6 +90,17 @@ PLOT_KEYS = {"figures", "captions", "title", "where"}
 RUNNER_KEYS = {"out", "resume"}  # set per cell by the runner
 NOT_IN_SPECS = RUNNER_KEYS | {"config"}  # `config` names a file for `gradzip train`; a spec is that file
 TARGET_METRICS = ("loss", "eval_loss")
+
+
+def trace_for_spec(config: dict[str, Any], src: Path) -> dict[str, Any]:
+    """A relative ``netem_trace`` that names a file in the spec's directory: that file's absolute
+    path; anything else as written (a shipped trace's name, or an error at validation)."""
+    value = config.get("netem_trace")
+    if isinstance(value, str) and value and not Path(value).is_absolute():
+        near = src.resolve().parent / value
+        if near.is_file():
+            return {**config, "netem_trace": str(near)}
+    return config
 
 
 def netem_for_cell(config: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +309,9 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
     target = _check_target(raw["target"], src) if "target" in raw else None
     plot = _check_plot(raw["plot"], src) if "plot" in raw else PlotOptions()
     repeats, repeats_where = _check_repeats(raw.get("repeats", 1), grid, src)
-    validate_config(dict(base), src, "[base]")
+    base = trace_for_spec(base, src)
+    checked = netem_for_cell(dict(base))  # a trace without netem yet: each cell checks it with its own
+    validate_config(checked if checked.get("netem") else {**checked, "netem_trace": None}, src, "[base]")
     spec = Spec(src, name, description, dict(base), {k: list(v) for k, v in grid.items()}, target, plot,
                 repeats, repeats_where)
     spec.cells = expand(spec)
@@ -463,7 +478,7 @@ def expand(spec: Spec) -> list[Cell]:
         params: dict[str, Any] = {}
         for axis, v in zip(axes, values):
             params.update({k: x for k, x in v.items() if k != "label"} if isinstance(v, dict) else {axis: v})
-        config = {**spec.base, **params}
+        config = trace_for_spec({**spec.base, **params}, spec.path)
         # -- netem hook: a real-backend cell with a bandwidth runs in the network testbed --
         config = netem_for_cell(config)
         name = cell_name_from(axes, values)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from gradzip.errors import GradzipError
 from gradzip.netem import testbed, trace
-from gradzip.units import parse_bandwidth, parse_latency
+from gradzip.netem.spec import parse_rate
+from gradzip.units import parse_latency
 
 EPILOG = """\
 Layout: one network namespace per host (PREFIX-h0 .. PREFIX-hN-1, interface eth0, address
@@ -35,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="netem_cmd", metavar="ACTION", required=True)
     pu = sub.add_parser("up", help="build the testbed (idempotent; new shaping reshapes it)")
     pu.add_argument("--hosts", type=int, default=4, help="number of emulated hosts (default 4)")
-    pu.add_argument("--rate", default="1gbit", help="egress rate of every host, e.g. 100mbit, 1gbit (default 1gbit)")
+    pu.add_argument("--rate", default="1gbit",
+                    help="egress rate of every host, e.g. 100mbit, 1gbit, or unshaped (no limit) (default 1gbit)")
     pu.add_argument("--delay", default="0",
                     help="added one-way delay per packet, e.g. 0.1ms (default 0; needs sch_netem)")
     pu.add_argument("--loss", default="0", help="random loss in percent of packets, e.g. 0.1 (default 0)")
@@ -49,11 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--json", action="store_true", help="machine-readable output")
     pr = sub.add_parser("reshape", help="change the shaping of the running testbed, once (--rate) or over time "
                         "(--trace FILE of 'time, rate[, delay[, loss]]' rows)")
-    pr.add_argument("--rate", help="egress rate of every host, e.g. 100mbit")
+    pr.add_argument("--rate", help="egress rate of every host, e.g. 100mbit, or unshaped")
     pr.add_argument("--delay", default="0")
     pr.add_argument("--loss", default="0")
-    pr.add_argument("--trace", metavar="FILE", help="play FILE's rows: at each row's time (seconds from now) "
-                    "apply its rate, delay and loss (gradzip.netem.trace)")
+    pr.add_argument("--trace", metavar="FILE", help="play FILE's rows (or a shipped trace's, by name): at each "
+                    "row's time (seconds from now) apply its rate, delay and loss (gradzip.netem.trace)")
     pr.add_argument("--repeat", action="store_true",
                     help="--trace: start over after --period seconds, until interrupted")
     pr.add_argument("--period", type=float, help="--trace --repeat: seconds per pass (default: the last row's time "
@@ -65,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _shaping(args: argparse.Namespace) -> testbed.Shaping:
-    return testbed.Shaping(parse_bandwidth(args.rate), parse_latency(args.delay), testbed.parse_loss(args.loss))
+    return testbed.Shaping(parse_rate(args.rate), parse_latency(args.delay), testbed.parse_loss(args.loss))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "reshape" and (args.trace is None) == (args.rate is None):
         raise GradzipError("gradzip netem reshape: give --rate (one change) or --trace FILE (changes over time)")
     if cmd == "reshape" and args.trace is not None:
-        points = trace.read_trace(args.trace)  # a bad trace fails before the testbed is touched
+        # a bad trace fails before the testbed is touched
+        points = trace.read_trace(trace.resolve_trace(args.trace))
         log = Path(args.log) if args.log else None
         n = trace.play(points, lambda sh: testbed.reshape(args.prefix, sh), log, args.repeat, args.period)
         print(f"testbed {args.prefix}: played {n} change(s) of {args.trace}" + (f"; log: {log}" if log else ""))

@@ -1,7 +1,9 @@
 """Shaping of a testbed host's egress with tc: an htb token bucket at the link's rate, a class
 that serves pure ACKs first, and delay and loss from ``netem`` leaves (or, on kernels without
-sch_netem, loss from a classic-BPF filter into a queue that holds nothing). See
-:mod:`gradzip.netem.testbed` for the layout."""
+sch_netem, loss from a classic-BPF filter into a queue that holds nothing). An ``unshaped`` link
+gets a plain ``pfifo_fast`` root instead: no rate limit (the veth at full speed), but a qdisc that
+still counts the bytes and frames sent (``wire_frame_bytes``). See :mod:`gradzip.netem.testbed`
+for the layout."""
 
 from __future__ import annotations
 
@@ -48,10 +50,13 @@ def shape(ns: str, shaping: Shaping, method: str) -> None:
     balloons and it becomes window-limited: one direction then runs 20-30 % below the rate.
     A switch port at 10 Gbit/s drains such a queue in milliseconds; at emulated rates it takes
     seconds, so the emulator serves small packets first (as fq/fq_codel would)."""
-    bps = shaping.rate_bps
     tc = ("tc", "-n", ns)
     dev = ("dev", HOST_IF)
     run_tool(*tc, "qdisc", "del", *dev, "root", check=False)
+    if shaping.rate_bps is None:  # unshaped: no rate, no delay or loss (Shaping refuses them)
+        run_tool(*tc, "qdisc", "add", *dev, "root", "handle", "1:", "pfifo_fast")
+        return
+    bps = shaping.rate_bps
     run_tool(*tc, "qdisc", "add", *dev, "root", "handle", "1:", "htb", "default", "10")
 
     def cls(parent: str, classid: str, rate: float, *extra: str) -> None:

@@ -174,8 +174,9 @@ class Run:
 
     @property
     def bandwidth_bps(self) -> float | None:
+        """The link's bits/s; None when not known, or for an ``unshaped`` testbed link (no rate)."""
         bw = self.value("bandwidth")
-        return None if bw is None else parse_bandwidth(bw)
+        return None if bw is None or str(bw).strip().lower() == "unshaped" else parse_bandwidth(bw)
 
     # -- per-step series -----------------------------------------------------------------------
     @property

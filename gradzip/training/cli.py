@@ -118,7 +118,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--timeout", "seconds allowed for init and for each collective", type=float)
     flag(g, "--device", "auto: CUDA if available", choices=DEVICES)
     flag(g, "--netem", "run HOSTS ranks in the network testbed (root), one emulated host each, e.g. 4:100mbit "
-         "or 4:1gbit:0.1ms:0.01 (see gradzip netem --help)", show_default=False, metavar="HOSTS:RATE[:DELAY[:LOSS%]]")
+         "or 4:1gbit:0.1ms:0.01, or 2:unshaped for no rate limit (see gradzip netem --help)", show_default=False,
+         metavar="HOSTS:RATE[:DELAY[:LOSS%]]")
+    flag(g, "--netem-trace", "--netem: change the testbed's rate while the run goes on, from FILE's 'time, rate' rows "
+         "(or a shipped trace's, e.g. 10gbit-100mbit-30s), from the launch on, repeating; changes logged to "
+         "link.jsonl in --out", show_default=False, metavar="FILE")
 
     g = p.add_argument_group("data")
     flag(g, "--corpus", "text file or directory, JSONL with a 'text' field, or hf:NAME (default: the built-in "

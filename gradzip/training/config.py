@@ -34,10 +34,9 @@ from gradzip.compress.registry import create, normalize_spec, parse_spec
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
 from gradzip.models import bert_config
-from gradzip.netem.spec import parse_netem
 from gradzip.plan.auto import is_auto
 from gradzip.plan.sync import SyncSpec, parse_sync
-from gradzip.training.config_checks import _pre, check_auto, check_sharding
+from gradzip.training.config_checks import _pre, check_auto, check_netem, check_sharding
 from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
@@ -52,7 +51,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # (``steps`` may change to extend a run; the LR schedule then follows the new length.)
 RESUME_MUTABLE = frozenset({
     "steps", "stop_at", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-    "timeout", "progress", "resume", "resume_auto", "config", "out", "netem", "max_skips", "log",
+    "timeout", "progress", "resume", "resume_auto", "config", "out", "netem", "netem_trace", "max_skips", "log",
 })
 # Fields not written to a run's config.toml: they describe one invocation, not the run (so that
 # `--resume` after `--stop-at` does not stop again at the same step).
@@ -121,6 +120,7 @@ class TrainConfig:
     timeout: float = 300.0
     device: str = "auto"
     netem: str | None = None
+    netem_trace: str | None = None  # --netem: a trace file (or shipped trace name) played on the testbed
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -202,19 +202,12 @@ class TrainConfig:
             raise bad("ranks_per_node", f"{self.ranks_per_node} does not divide --workers {self.workers}: every node "
                       "holds the same number of workers")
         try:
-            parse_bandwidth(self.bandwidth)
             parse_latency(self.latency)
             parse_bandwidth(self.intra_bandwidth)
             parse_latency(self.intra_latency)
         except SpecError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None
-        if self.netem is not None:
-            if self.backend not in ("gloo", "mpi"):
-                raise bad("netem", f"needs --backend gloo or mpi (real processes), not {self.backend!r}")
-            try:
-                parse_netem(self.netem)
-            except GradzipError as e:
-                raise GradzipError(f"{_pre(source)}{e}") from None
+        check_netem(self, source)  # --bandwidth (or unshaped), --netem, --netem-trace
         try:
             parse_log(self.log)
         except GradzipError as e:

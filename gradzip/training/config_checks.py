@@ -1,6 +1,6 @@
 """Checks of a ``gradzip train`` configuration that span several settings: sharded training
-(``--fsdp``/``--hsdp``) and ``--compressor auto``. Called by :meth:`TrainConfig.validate`; every
-failure is one line."""
+(``--fsdp``/``--hsdp``), ``--compressor auto`` and the link (``--bandwidth``, ``--netem``,
+``--netem-trace``). Called by :meth:`TrainConfig.validate`; every failure is one line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from typing import Any
 from gradzip.compress.ef import ErrorFeedback
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError, SpecError
+from gradzip.netem.spec import UNSHAPED, parse_netem
+from gradzip.netem.trace import read_trace, resolve_trace
 from gradzip.plan.auto import parse_auto
+from gradzip.units import parse_bandwidth
 
 SHARDINGS = ("none", "fsdp", "hsdp")
 
@@ -69,3 +72,32 @@ def check_sharding(cfg: Any, source: str) -> None:
                "not apply; use --hsdp, whose replica all-reduce takes any scheme, or drop --exchange")
     if why:
         raise GradzipError(f"{_pre(source)}{flag} {why}")
+
+
+def check_netem(cfg: Any, source: str) -> None:
+    """``--bandwidth`` (``unshaped`` only for a real backend: there it names the testbed's link, which
+    ``sim`` must model with a number), ``--netem`` (a real backend) and ``--netem-trace`` (with
+    ``--netem``; the file, or shipped trace, is read here, so a bad row fails before anything starts)."""
+    try:
+        if not (cfg.bandwidth == UNSHAPED and cfg.backend != "sim"):
+            parse_bandwidth(cfg.bandwidth)
+    except SpecError as e:
+        hint = f" ({UNSHAPED} names a testbed link: --backend gloo or mpi with --netem)" \
+            if cfg.bandwidth == UNSHAPED else ""
+        raise GradzipError(f"{_pre(source)}--bandwidth: {e}{hint}") from None
+    if cfg.netem is not None:
+        if cfg.backend not in ("gloo", "mpi"):
+            raise GradzipError(f"{_pre(source)}--netem needs --backend gloo or mpi (real processes), not "
+                               f"{cfg.backend!r}")
+        try:
+            parse_netem(cfg.netem)
+        except GradzipError as e:
+            raise GradzipError(f"{_pre(source)}{e}") from None
+    if cfg.netem_trace is not None:
+        if cfg.netem is None:
+            raise GradzipError(f"{_pre(source)}--netem-trace {cfg.netem_trace} plays on the network testbed: it "
+                               "needs --netem HOSTS:RATE (and --backend gloo or mpi)")
+        try:
+            read_trace(resolve_trace(cfg.netem_trace, flag="--netem-trace"), flag="--netem-trace")
+        except GradzipError as e:
+            raise GradzipError(f"{_pre(source)}{e}") from None

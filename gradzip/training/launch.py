@@ -19,6 +19,13 @@ no shared memory) on the testbed subnet, so the ranks of one host talk TCP over 
 
 In a sweep, a ``gloo``/``mpi`` cell that sets ``bandwidth`` runs as ``--netem HOSTS:BANDWIDTH``
 with HOSTS = ``workers // ranks_per_node`` (:func:`gradzip.experiments.spec.netem_for_cell`).
+RATE (and ``bandwidth``) may be ``unshaped``: no rate limit on the links.
+
+A changing link: ``--netem-trace FILE`` (a file of ``time, rate`` rows, or a shipped trace's name;
+:mod:`gradzip.netem.trace`) is played on the testbed from the launch of the ranks until they exit
+(the trace repeats; :func:`link_trace`), each change appended to ``link.jsonl`` in ``--out`` with
+the step the run had reached (:class:`RunLinkLog`). Afterwards the testbed has its rate from
+before the run (or is removed, if the run built it).
 
 The testbed (prefix ``GRADZIP_NETEM_PREFIX``, default ``gz``):
 
@@ -61,7 +68,7 @@ from typing import Any
 from gradzip.comm.launch import find_mpirun, spawn_local, supervise
 from gradzip.compress.registry import parse_spec, registry
 from gradzip.errors import GradzipError
-from gradzip.netem import testbed
+from gradzip.netem import testbed, trace
 from gradzip.netem.spec import NetemSpec, parse_netem
 from gradzip.netem.testbed import Testbed
 from gradzip.training.config import TrainConfig
@@ -85,7 +92,13 @@ def testbed_for(spec: NetemSpec, prefix: str | None = None) -> Iterator[tuple[Te
             raise GradzipError(f"testbed {prefix!r} is up with {old.hosts} hosts but --netem asks for {spec.hosts}; "
                                f"`gradzip netem down` it first, or use at most {old.hosts} hosts")
         if old.shaping == spec.shaping:
-            yield old, "existing"
+            try:
+                yield old, "existing"
+            finally:  # a --netem-trace may have changed it: back to what it was
+                now = testbed.load(prefix)
+                if now is not None and now.shaping != old.shaping:
+                    with testbed.signals_ignored():
+                        testbed.reshape(prefix, old.shaping)
             return
         tb = testbed.reshape(prefix, spec.shaping)
         try:
@@ -100,6 +113,58 @@ def testbed_for(spec: NetemSpec, prefix: str | None = None) -> Iterator[tuple[Te
     finally:
         with testbed.signals_ignored():
             testbed.down(prefix)
+
+
+class RunLinkLog:
+    """``link.jsonl`` of a run: each change of a ``--netem-trace`` with ``step``, the steps in the run's
+    ``metrics.jsonl`` when it was applied. Held back until rank 0 has written the run's
+    ``config.toml`` (every rank has then accepted ``--out``, which must be empty for a fresh run)."""
+
+    def __init__(self, out: str | os.PathLike[str]) -> None:
+        self.out = Path(out)
+        self.pending: list[dict[str, Any]] = []
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        self.pending.append({**rec, "step": _last_step(self.out / "metrics.jsonl")})
+        self.flush()
+
+    def flush(self, force: bool = False) -> None:
+        """Append what is held back, once the run's directory is in use (``force``: if it exists)."""
+        ready = (self.out / "config.toml").is_file() or (force and self.out.is_dir())
+        if self.pending and ready:
+            with open(self.out / "link.jsonl", "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in self.pending))
+            self.pending.clear()
+
+
+def _last_step(metrics: Path) -> int:
+    """The step of the last complete line of ``metrics`` (0: none yet)."""
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            return int(json.loads(line)["step"])
+    return 0
+
+
+@contextlib.contextmanager
+def link_trace(cfg: TrainConfig, prefix: str) -> Iterator[trace.Playback | None]:
+    """``--netem-trace``: play the trace on testbed ``prefix`` while the block runs (repeating), with
+    each change logged to ``cfg.out/link.jsonl``; nothing without it."""
+    if not cfg.netem_trace:
+        yield None
+        return
+    points = trace.read_trace(trace.resolve_trace(cfg.netem_trace, flag="--netem-trace"), flag="--netem-trace")
+    log = RunLinkLog(cfg.out or ".")
+    playback = trace.Playback(points, lambda sh: testbed.reshape(prefix, sh), log,
+                              name=f"--netem-trace {cfg.netem_trace}")
+    try:
+        with playback:  # its exit stops playback and waits for a change in progress
+            yield playback
+    finally:
+        log.flush(force=True)
 
 
 def launch_in_testbed(cfg: TrainConfig, argv: list[str], env_extra: dict[str, str] | None = None) -> int:
@@ -120,27 +185,32 @@ def launch_in_testbed(cfg: TrainConfig, argv: list[str], env_extra: dict[str, st
         addrs = [tb.host_addr(i) for i in range(hosts)]
         per_host = f", {k} per host" if k > 1 else ""
         sys.stderr.write(f"gradzip train: {world} {cfg.backend} ranks{per_host} in testbed {tb.prefix} ({how}): "
-                         f"{addrs[0]}..{addrs[-1]}, egress {spec.shaping.describe()} per host\n")
+                         f"{addrs[0]}..{addrs[-1]}, egress {spec.shaping.describe()} per host"
+                         + (f", then as --netem-trace {cfg.netem_trace} says" if cfg.netem_trace else "") + "\n")
         first_step = _metrics_step_count(cfg.out)  # a resumed run: count only this invocation's steps
         before = testbed.counters(tb, hosts)
-        if cfg.backend == "mpi":
-            rc = spawn_mpi(tb, hosts, argv, env, ranks_per_node=k)
-        elif k == 1:
-            rc = spawn_local(cfg.backend, hosts, argv, env_extra=env, bind_addrs=addrs,
-                             prefix=lambda r: [ip, "netns", "exec", tb.host_ns(r)])
-        else:
-            rc = spawn_local(cfg.backend, world, argv, env_extra=env, bind_addrs=[addrs[r // k] for r in range(world)],
-                             prefix=lambda r: [ip, "netns", "exec", tb.host_ns(r // k)],
-                             rank_env=lambda r: {"LOCAL_RANK": str(r % k), "LOCAL_WORLD_SIZE": str(k),
-                                                 "GRADZIP_NODE": str(r // k)})
+        with link_trace(cfg, tb.prefix):  # --netem-trace: from the launch until the ranks exit
+            if cfg.backend == "mpi":
+                rc = spawn_mpi(tb, hosts, argv, env, ranks_per_node=k)
+            elif k == 1:
+                rc = spawn_local(cfg.backend, hosts, argv, env_extra=env, bind_addrs=addrs,
+                                 prefix=lambda r: [ip, "netns", "exec", tb.host_ns(r)])
+            else:
+                rc = spawn_local(cfg.backend, world, argv, env_extra=env,
+                                 bind_addrs=[addrs[r // k] for r in range(world)],
+                                 prefix=lambda r: [ip, "netns", "exec", tb.host_ns(r // k)],
+                                 rank_env=lambda r: {"LOCAL_RANK": str(r % k), "LOCAL_WORLD_SIZE": str(k),
+                                                     "GRADZIP_NODE": str(r // k)})
         after = testbed.counters(tb, hosts)
     if rc == 0 and cfg.out and (Path(cfg.out) / "summary.json").is_file():
-        s = add_wire_report(Path(cfg.out), spec, tb, how, before, after, first_step, ranks_per_node=k)
+        s = add_wire_report(Path(cfg.out), spec, tb, how, before, after, first_step, ranks_per_node=k,
+                            netem_trace=cfg.netem_trace)
         if s.get("wire_overhead") is not None:
             what = "bytes accounted" if k == 1 else "inter-host bytes accounted"
             sys.stderr.write(f"gradzip train: on the wire {s['wire_bytes']:,} bytes from {hosts} hosts, "
-                             f"{s['wire_overhead']:+.2%} vs the {s['accounted_bytes']:,} {what} "
-                             f"({s['wire_frame_overhead']:+.2%} counting every frame's headers)\n")
+                             f"{s['wire_overhead']:+.2%} vs the {s['accounted_bytes']:,} {what}"
+                             + (f" ({s['wire_frame_overhead']:+.2%} counting every frame's headers)"
+                                if s.get("wire_frame_overhead") is not None else "") + "\n")
     return rc
 
 
@@ -335,14 +405,17 @@ def wire_report(summary: dict[str, Any], before: list[testbed.HostCounters],
 
 def add_wire_report(out: Path, spec: NetemSpec, tb: Testbed, how: str, before: list[testbed.HostCounters],
                     after: list[testbed.HostCounters], first_step: int = 0, *,
-                    ranks_per_node: int = 1) -> dict[str, Any]:
+                    ranks_per_node: int = 1, netem_trace: str | None = None) -> dict[str, Any]:
     """Add the wire-byte fields and the testbed's description to ``out/summary.json``."""
     summary = json.loads((out / "summary.json").read_text())
     records = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step", 0) > first_step]
     sent = [float(r.get("bytes_sent") or 0) for r in records]
     inter = [float(r.get("bytes_inter", r.get("bytes_sent")) or 0) for r in records]
     extra = wire_report(summary, before, after, sent, ranks_per_node=ranks_per_node, inter_per_step=inter)
+    if netem_trace:  # each change replaced the qdiscs, whose counters start again from 0
+        extra.update(wire_frame_bytes=None, wire_frame_overhead=None, wire_drops=None)
     extra["netem"] = {"spec": spec.text, "hosts": spec.hosts, "ranks_per_node": ranks_per_node, "prefix": tb.prefix,
                       "testbed": how, "addresses": [tb.host_addr(i) for i in range(spec.hosts)], "mtu": tb.mtu,
-                      "loss_method": tb.loss_method, **asdict(spec.shaping)}
+                      "loss_method": tb.loss_method, **asdict(spec.shaping), "rate": spec.shaping.rate_text,
+                      "trace": netem_trace}
     return update_summary(out, extra)
