@@ -38,3 +38,10 @@ def test_probe_recovers_the_link_and_stops_early_on_a_slow_one(bandwidth, larges
 
 def test_one_rank_has_no_link():
     assert probe_link(Link(0, 1), 1) == (0.0, float("inf"))
+
+
+def test_codecs_of_a_model_with_nothing_to_compress_cost_nothing():
+    from gradzip.engine.auto_measure import time_codecs
+
+    costs = time_codecs(["none", "fp16", "topk:ratio=0.1,ef=true"], [])
+    assert set(costs) == {"none", "fp16", "topk:ratio=0.1,ef=true"} and all(c.encode_s == 0 for c in costs.values())

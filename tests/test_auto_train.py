@@ -29,6 +29,7 @@ def test_a_slow_link_is_planned_compressed_and_replanned(tmp_path, corpus):
     chosen = {b["candidate"] for b in policy[0]["buckets"]}
     assert chosen - {"none"} and not policy[0]["none_is_best"]
     assert policy[0]["predicted_step_s"] <= min(policy[0]["fixed_step_s"].values()) * 1.001
+    assert policy[0]["opt_s"] == 0  # sim's modelled step leaves the optimizer out
     # step 1 ran every bucket uncompressed (the initial choice); after the plan, far fewer bytes
     assert metrics[1]["bytes_sent"] < metrics[0]["bytes_sent"] / 3
     assert summary["auto_plans"] == 2 and summary["exchange"] == "per bucket" and not summary["auto_none_is_best"]
@@ -98,6 +99,10 @@ def test_ranks_that_measure_differently_still_replan_together(tmp_path, corpus):
     plans = [json.loads(x) for x in (out / "policy.jsonl").read_text().splitlines()]
     assert plans[0]["step"] == 1 and any("off the prediction" in p["reason"] for p in plans[1:]), plans
     assert len(read_metrics(out / "metrics.jsonl")) == 7
+    # the measured optimizer step is in the predicted step times (it is in metrics' step_s), alike for all
+    p = plans[0]
+    assert p["opt_s"] > 0 and p["predicted_step_s"] >= min(p["fixed_step_s"].values()) * 0.999
+    assert all(t > p["opt_s"] for t in p["fixed_step_s"].values())
 
 
 def test_resume_drops_the_plans_made_after_the_checkpoint(tmp_path, corpus):

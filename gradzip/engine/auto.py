@@ -17,7 +17,9 @@ memory carried across switches) with the loop that steers it:
 
 Every plan is a line of ``policy.jsonl`` (``step``, ``reason``, the probe's ``latency_s``,
 ``bandwidth_bps`` and ``probe_bytes``, the traffic it cost, which the steps' ``bytes_sent`` leave
-out; ``predicted_step_s``, ``predicted_comm_s``, the measured ``comm_s`` of the step that triggered
+out; ``opt_s``, the optimizer step's time, which ``predicted_step_s`` (and each candidate's
+``fixed_step_s``) adds to the plan's step so that it compares with ``metrics.jsonl``'s ``step_s``;
+``predicted_comm_s``, the measured ``comm_s`` of the step that triggered
 it, each candidate alone, and per bucket its ``numel`` and ``candidate``), written by rank 0. When
 no candidate is predicted faster than ``none``, the line says so (``none_is_best``) and so does
 ``summary()``. The plan and the counters are checkpoint state: a resumed run carries on with the
@@ -26,6 +28,7 @@ same assignment, and its ``policy.jsonl`` loses the plans made after the checkpo
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +77,7 @@ class AutoEngine(ChoiceEngine):
         self.prediction: dict[str, float] = {}
         self.plans: list[dict[str, Any]] = []
         self._last_stats: StepStats | None = None  # the step commit() decides on
+        self._opt_s = 0.0  # the last optimizer step's time (real backends)
 
     # ------------------------------------------------------------------ measure
     def probe_link(self) -> tuple[float, float]:
@@ -100,12 +104,13 @@ class AutoEngine(ChoiceEngine):
         latency, bandwidth = self.probe_link()
         codecs = self.time_codecs()
         specs = [s for s in self.candidates if s != "none"]
-        agreed = self._agree([latency, 1.0 / bandwidth, stats.compute_s, *(codecs[s].encode_s for s in specs)])
+        agreed = self._agree([latency, 1.0 / bandwidth, stats.compute_s, self._opt_s,
+                              *(codecs[s].encode_s for s in specs)])
         probe_bytes = sum(w.comm.stats.bytes_sent for w in self._workers) - sent0
         for w in self._workers:  # the probe's traffic is the policy's, reported below, not the next step's
             w.snap = w.comm.stats.snapshot()
         latency, bandwidth, compute = agreed[0], 1.0 / max(agreed[1], 1e-18), max(agreed[2], 1e-9)
-        codecs.update({s: CodecCost(v, 0.0, "measured") for s, v in zip(specs, agreed[3:])})
+        codecs.update({s: CodecCost(v, 0.0, "measured") for s, v in zip(specs, agreed[4:])})
         n = self.world_size if not self.sim else len(self._workers)
         shapes = tuple(BucketShape(tuple(tuple(s) for s in b.shapes), b.numel, b.compressed) for b in self.buckets)
         p = make_plan(self.auto, shapes, n, latency, bandwidth, compute, codecs, dtype_name(self.buckets[0].dtype))
@@ -114,12 +119,16 @@ class AutoEngine(ChoiceEngine):
         self.planned_at, self.drift = self.steps, 0
         self.prediction = {"step_s": p.step_s, "comm_s": p.comm_s}
         self.plans.append({"step": self.steps, "reason": reason, "none_is_best": p.none_is_best})
-        self.log.append(plan_record(self.steps, reason, latency, bandwidth, probe_bytes, compute, p, stats.comm_s))
+        self.log.append(plan_record(self.steps, reason, latency, bandwidth, probe_bytes, compute, p, stats.comm_s,
+                                    agreed[3]))
         return p
 
     def commit(self, nonfinite: int, stepper: OptimizerStep) -> float:
         """The engine's commit, then the policy's turn (between steps, on every rank alike)."""
+        t0 = time.perf_counter()
         norm = super().commit(nonfinite, stepper)
+        if not self.sim:  # the optimizer step, which metrics' step_s counts (sim's modelled step does not)
+            self._opt_s = time.perf_counter() - t0
         self.steps += 1
         stats = self._last_stats
         if self.steps < self.auto.warmup or stats is None:

@@ -68,7 +68,10 @@ def time_codecs(candidates: Sequence[str], buckets: Sequence[tuple[int, Sequence
     (``(numel, shapes)`` of each compressed bucket). ``none`` costs nothing."""
     out = {"none": CodecCost(0.0, 0.0, "none")}
     for spec in candidates:
-        if spec == "none" or not buckets:
+        if spec == "none":
+            continue
+        if not buckets:  # nothing to compress (every tensor small): nothing to time
+            out[spec] = CodecCost(0.0, 0.0, "no compressed bucket")
             continue
         c, total, elems = create(spec), 0.0, 0
         for numel, shapes in buckets:
@@ -112,11 +115,14 @@ def make_plan(auto: AutoSpec, shapes: tuple[BucketShape, ...], n: int, latency: 
 
 
 def plan_record(step: int, reason: str, latency: float, bandwidth: float, probe_bytes: int, compute: float,
-                p: AutoPlan, measured_comm: float) -> dict[str, Any]:
-    """One line of ``policy.jsonl`` (the fields :mod:`gradzip.engine.auto` documents)."""
+                p: AutoPlan, measured_comm: float, opt_s: float = 0.0) -> dict[str, Any]:
+    """One line of ``policy.jsonl`` (the fields :mod:`gradzip.engine.auto` documents). ``opt_s``:
+    the optimizer step's measured time, which the plan leaves out (the same for every candidate)
+    and the predicted step times include, so that they compare with ``metrics.jsonl``'s ``step_s``."""
     return {"step": step, "reason": reason, "latency_s": latency, "bandwidth_bps": bandwidth,
-            "probe_bytes": int(probe_bytes), "compute_s": compute, "predicted_step_s": p.step_s,
-            "predicted_comm_s": p.comm_s, "measured_comm_s": measured_comm, "fixed_step_s": p.fixed,
+            "probe_bytes": int(probe_bytes), "compute_s": compute, "opt_s": opt_s, "predicted_step_s": p.step_s + opt_s,
+            "predicted_comm_s": p.comm_s, "measured_comm_s": measured_comm,
+            "fixed_step_s": {c: t + opt_s for c, t in p.fixed.items()},
             "none_is_best": p.none_is_best,
             "buckets": [{"bucket": i, "numel": k, "candidate": c} for i, (c, k) in enumerate(zip(p.choice, p.numels))]}
 
