@@ -66,11 +66,21 @@ def test_warmup_then_plan_and_resume_keeps_the_plan(tmp_path, corpus):
     assert json.loads((out / "summary.json").read_text())["auto_plans"] == 1
 
 
+def test_hierarchical_plans_with_both_links(tmp_path, corpus):
+    """--hierarchical: the plan prices the node's link and the link between nodes (sim: the modelled
+    ones), and the run compresses across nodes only."""
+    metrics, policy, summary = train(tmp_path, corpus, "hier", "--bandwidth", "100mbit", "--steps", "3",
+                                     "--ranks-per-node", "2", "--hierarchical", "--compressor", "auto")
+    p = policy[0]
+    assert p["ranks_per_node"] == 2 and p["bandwidth_bps"] == 100e6 and p["intra_bandwidth_bps"] > 100e6
+    assert {b["candidate"] for b in p["buckets"]} - {"none"} and summary["auto_plans"] == 1
+    assert metrics[1]["bytes_inter"] < metrics[0]["bytes_inter"] / 3
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (["--compressor", "auto:floor=nosuch"], "--compressor: auto: candidate 'nosuch'"),
     (["--compressor", "auto", "--sync", "diloco:every=4"], "does not combine with --sync diloco:every=4"),
     (["--compressor", "auto", "--exchange", "allgather"], "does not combine with --exchange"),
-    (["--compressor", "auto", "--hierarchical"], "does not combine with --hierarchical"),
 ])
 def test_bad_auto_is_one_line(tmp_path, capsys, args, words):
     assert main(["train", *TINY, *args, "--out", str(tmp_path / "bad")]) == 2
@@ -118,3 +128,25 @@ def test_resume_drops_the_plans_made_after_the_checkpoint(tmp_path, corpus):
         p.unlink()
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     assert [json.loads(x)["step"] for x in (out / "policy.jsonl").read_text().splitlines()] == [1, 3]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_hierarchical_on_gloo_probes_both_groups(tmp_path, corpus):
+    """4 gloo ranks, 2 per emulated node: the node leaders probe the link between nodes, every node
+    its own link, and all ranks plan alike from the means."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "GRADZIP_FAULT")}
+    env.update(OMP_NUM_THREADS="1")
+    out = tmp_path / "hier"
+    proc = subprocess.run([sys.executable, "-m", "gradzip", "train", *TINY, "--workers", "4", "--ranks-per-node", "2",
+                           "--hierarchical", "--backend", "gloo", "--corpus", str(corpus), "--steps", "3",
+                           "--compressor", "auto:replan_every=2", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = [json.loads(x) for x in (out / "policy.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in plans] == [1, 3] and all(p["ranks_per_node"] == 2 for p in plans)
+    assert all(p["bandwidth_bps"] > 0 and p["intra_bandwidth_bps"] > 0 and p["probe_bytes"] > 0 for p in plans)

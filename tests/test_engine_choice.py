@@ -47,14 +47,18 @@ def step(engine: ChoiceEngine, model: nn.Module, s: int, nan_on: int | None = No
     return [p.grad.clone() for p in params]
 
 
-def engine_for(model: nn.Module) -> ChoiceEngine:
-    # buckets of one matrix each (a 5 KiB cap), both compressed
-    return ChoiceEngine(model, CANDIDATES, SimWorld(N), EngineConfig(bucket_cap_mb=5e-3, min_compress_numel=16))
+def engine_for(model: nn.Module, hierarchical: bool = False) -> ChoiceEngine:
+    # buckets of one matrix each (a 5 KiB cap), both compressed; hierarchical: 2 nodes of 2 workers
+    world = SimWorld(4, ranks_per_node=2) if hierarchical else SimWorld(N)
+    return ChoiceEngine(model, CANDIDATES, world, EngineConfig(bucket_cap_mb=5e-3, min_compress_numel=16,
+                                                               hierarchical=hierarchical))
 
 
-def test_switching_keeps_every_residual_once():
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+def test_switching_keeps_every_residual_once(hierarchical):
     model = linear_model()
-    engine = engine_for(model)
+    engine = engine_for(model, hierarchical)
+    n = len(engine.worker_ids)
     assert len(engine.buckets) == 2 and all(b.compressed for b in engine.buckets)
     plan = [("topk:ratio=0.1,ef=true", "onebit:ef=true"), ("topk:ratio=0.1,ef=true", "topk:ratio=0.1,ef=true"),
             ("none", "none"), ("onebit:ef=true", "topk:ratio=0.1,ef=true"), ("powersgd:rank=1", "none"),
@@ -73,12 +77,12 @@ def test_switching_keeps_every_residual_once():
             for a, g in zip(applied, got):
                 a += g
             for t, k in zip(truth, range(2)):
-                t += sum(grads_of(s, w)[k] for w in range(N)) / N
+                t += sum(grads_of(s, w)[k] for w in range(n)) / n
         # the invariant after every pair of steps: applied + mean memory == sum of mean gradients
         by_bucket = {tuple(b.shapes[0]): b.index for b in engine.buckets}
         for k, shape in enumerate([(30, 40), (20, 30)]):
             bi = by_bucket[shape]
-            mem = sum(engine.memory(w, bi) for w in engine.worker_ids) / N
+            mem = sum(engine.memory(w, bi) for w in engine.worker_ids) / n
             torch.testing.assert_close(applied[k] + mem.view(shape), truth[k], atol=2e-5, rtol=1e-5)
     assert engine.assigned == [engine.assigned[0], engine.assigned[1]]
 
@@ -119,8 +123,6 @@ def test_bad_use_is_one_line():
     model = linear_model()
     with pytest.raises(GradzipError, match="twophase keeps server memory"):
         ChoiceEngine(model, ("none", "onebit:exchange=twophase"), SimWorld(2))
-    with pytest.raises(GradzipError, match="hierarchical"):
-        ChoiceEngine(model, ("none", "fp16"), SimWorld(2), EngineConfig(hierarchical=True))
     engine = ChoiceEngine(linear_model(), ("none", "fp16"), SimWorld(2))
     with pytest.raises(GradzipError, match="not one of the candidates"):
         engine.assign(0, "onebit")

@@ -81,10 +81,32 @@ class AutoEngine(ChoiceEngine):
 
     # ------------------------------------------------------------------ measure
     def probe_link(self) -> tuple[float, float]:
-        """(latency s, bandwidth bits/s) of the link: sim's model, or an α–β fit of timed allreduces."""
+        """(latency s, bandwidth bits/s) of the link (between nodes, under the hierarchical
+        exchange): sim's model, or an α–β fit of timed allreduces."""
         if self._world is not None:
             return float(self._world.inter.latency_s), float(self._world.inter.bandwidth_bps)
-        return probe_link(self.comm, self.world_size, self.buckets[0].device)
+        if not self.config.hierarchical:
+            return probe_link(self.comm, self.world_size, self.buckets[0].device)
+        # Between nodes: the node leaders' group alone (the model shares the NIC among a node's
+        # groups itself); the other ranks wait, then every rank takes the leaders' mean.
+        topo = self._workers[0].scheme.topo
+        device = self.buckets[0].device
+        mine = probe_link(topo.cross, topo.cross.world_size, device) if topo.local_rank == 0 else (0.0, 0.0)
+        t = torch.tensor([mine[0], 1.0 / mine[1] if mine[1] else 0.0], dtype=torch.float64, device=device)
+        self.comm.allreduce(t, "sum")
+        leaders = max(self.world_size // topo.ranks_per_node, 1)
+        return t[0].item() / leaders, leaders / max(t[1].item(), 1e-18)
+
+    def probe_intra(self) -> tuple[int, float, float] | None:
+        """Under the hierarchical exchange: (ranks per node, latency, bandwidth) inside a node, each
+        node's own group probed side by side; None otherwise."""
+        if not self.config.hierarchical:
+            return None
+        if self._world is not None:
+            w = self._world
+            return w.ranks_per_node, float(w.intra.latency_s), float(w.intra.bandwidth_bps)
+        topo = self._workers[0].scheme.topo
+        return (topo.ranks_per_node, *probe_link(topo.node, topo.ranks_per_node, self.buckets[0].device))
 
     def time_codecs(self) -> dict[str, CodecCost]:
         """Each candidate's encode + decode seconds per element, on buffers of the compressed buckets' sizes."""
@@ -102,10 +124,13 @@ class AutoEngine(ChoiceEngine):
     def replan(self, stats: StepStats, reason: str) -> AutoPlan:
         sent0 = sum(w.comm.stats.bytes_sent for w in self._workers)
         latency, bandwidth = self.probe_link()
+        intra = self.probe_intra()
         codecs = self.time_codecs()
         specs = [s for s in self.candidates if s != "none"]
         agreed = self._agree([latency, 1.0 / bandwidth, stats.compute_s, self._opt_s,
-                              *(codecs[s].encode_s for s in specs)])
+                              *(codecs[s].encode_s for s in specs), *(intra[1:] if intra else ())])
+        if intra is not None:  # every rank plans with the mean over the nodes
+            intra, agreed = (intra[0], agreed[-2], agreed[-1]), agreed[:-2]
         probe_bytes = sum(w.comm.stats.bytes_sent for w in self._workers) - sent0
         for w in self._workers:  # the probe's traffic is the policy's, reported below, not the next step's
             w.snap = w.comm.stats.snapshot()
@@ -113,14 +138,17 @@ class AutoEngine(ChoiceEngine):
         codecs.update({s: CodecCost(v, 0.0, "measured") for s, v in zip(specs, agreed[4:])})
         n = self.world_size if not self.sim else len(self._workers)
         shapes = tuple(BucketShape(tuple(tuple(s) for s in b.shapes), b.numel, b.compressed) for b in self.buckets)
-        p = make_plan(self.auto, shapes, n, latency, bandwidth, compute, codecs, dtype_name(self.buckets[0].dtype))
+        p = make_plan(self.auto, shapes, n, latency, bandwidth, compute, codecs, dtype_name(self.buckets[0].dtype),
+                      intra)
         for i, spec in enumerate(p.choice):
             self.assign(i, spec)
         self.planned_at, self.drift = self.steps, 0
         self.prediction = {"step_s": p.step_s, "comm_s": p.comm_s}
         self.plans.append({"step": self.steps, "reason": reason, "none_is_best": p.none_is_best})
-        self.log.append(plan_record(self.steps, reason, latency, bandwidth, probe_bytes, compute, p, stats.comm_s,
-                                    agreed[3]))
+        rec = plan_record(self.steps, reason, latency, bandwidth, probe_bytes, compute, p, stats.comm_s, agreed[3])
+        if intra is not None:
+            rec.update(ranks_per_node=intra[0], intra_latency_s=intra[1], intra_bandwidth_bps=intra[2])
+        self.log.append(rec)
         return p
 
     def commit(self, nonfinite: int, stepper: OptimizerStep) -> float:

@@ -105,12 +105,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def make_plan(auto: AutoSpec, shapes: tuple[BucketShape, ...], n: int, latency: float, bandwidth: float,
-              compute: float, codecs: dict[str, CodecCost], grad_dtype: str = "fp32") -> AutoPlan:
+              compute: float, codecs: dict[str, CodecCost], grad_dtype: str = "fp32",
+              intra: tuple[int, float, float] | None = None) -> AutoPlan:
     """The plan for ``shapes`` (in the order backward makes them ready) on a flat ring of ``n``
-    ranks with the measured link; compute from the measured step, overlap with backward as modelled."""
-    cl = Cluster(n, 1, bandwidth, bandwidth, latency, latency, "ring")
+    ranks with the measured link; compute from the measured step, overlap with backward as modelled.
+    ``intra``: the hierarchical exchange's (ranks per node, latency, bandwidth inside a node);
+    ``latency`` and ``bandwidth`` are then the link between nodes."""
+    if intra is None:
+        cl = Cluster(n, 1, bandwidth, bandwidth, latency, latency, "ring")
+    else:
+        g, intra_latency, intra_bandwidth = intra
+        cl = Cluster(max(n // g, 1), g, bandwidth, intra_bandwidth, latency, intra_latency, "ring")
     work = Workload("auto", tokens_per_second=1.0 / max(compute, 1e-9), batch_size=1, seq_len=1, overlap=1.0,
-                    grad_dtype=grad_dtype)
+                    grad_dtype=grad_dtype, hierarchical=intra is not None)
     return plan_buckets(auto, shapes, work, cl, codecs)
 
 

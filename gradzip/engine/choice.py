@@ -15,12 +15,16 @@ Switching a bucket keeps error feedback sound. When bucket i moves from candidat
 
 So no residual is lost or counted twice: over any run, what the workers sent plus what their
 memories hold equals the sum of their gradients, across switches. A step that is skipped (inf/NaN
-on some rank) also puts back the residual it had taken. ``twophase`` server memory and the
-hierarchical exchange are not supported by switching (a chunk's server memory belongs to one rank).
+on some rank) also puts back the residual it had taken. ``twophase`` is not supported by
+switching (a chunk's server memory belongs to one rank). Under the hierarchical exchange a
+worker's memory is that of its shard of the node's mean (a node leader's: the whole bucket's, for
+PowerSGD); it moves to the next local gradient at the shard's place, times the ranks per node, so
+that the node's mean carries it once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +34,9 @@ from gradzip.comm.base import Communicator
 from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import Compressor
 from gradzip.compress.registry import create
-from gradzip.engine.config import EngineConfig
+from gradzip.engine.config import INTRA_DTYPES, EngineConfig
 from gradzip.engine.engine import Engine
+from gradzip.engine.hierarchical import HierarchicalScheme
 from gradzip.engine.schemes import SchemeState
 from gradzip.engine.worker import _Worker
 from gradzip.errors import GradzipError
@@ -49,15 +54,15 @@ class _Choice:
     """One worker's candidates, their schemes, and the residuals waiting for a bucket's next step.
     It is one of the worker's stateful parts: a skipped step puts back the residuals it took."""
 
-    def __init__(self, w: _Worker, specs: tuple[str, ...]) -> None:
+    def __init__(self, w: _Worker, specs: tuple[str, ...], scheme_for: Callable[[Compressor, Any], Any]) -> None:
         self.candidates: dict[str, Compressor] = {}
-        self.schemes: dict[str, SchemeState] = {}
+        self.schemes: dict[str, Any] = {}  # SchemeState, or HierarchicalScheme
         for spec in specs:
             if spec == w.compressor.spec:  # the engine's own compressor is this candidate
                 self.candidates[spec], self.schemes[spec] = w.compressor, w.scheme
             else:
                 self.candidates[spec] = c = create(spec)
-                self.schemes[spec] = SchemeState(c, w.comm)
+                self.schemes[spec] = scheme_for(c, w.comm)
         self.pending: dict[str, Tensor] = {}
         self._taken: dict[str, Tensor] | None = None
 
@@ -102,9 +107,6 @@ class ChoiceEngine(Engine):
                  config: EngineConfig | None = None) -> None:
         if not candidates:
             raise GradzipError("ChoiceEngine: give at least one candidate compressor spec")
-        if config is not None and config.hierarchical:
-            raise GradzipError("choosing a compressor per bucket does not support the hierarchical exchange yet; "
-                               "drop --hierarchical")
         comps = [create(c) for c in candidates]
         bad = [c.spec for c in comps if c.exchange == "twophase"]
         if bad:
@@ -115,9 +117,17 @@ class ChoiceEngine(Engine):
         super().__init__(model, base, comm, config)
         self.candidates = tuple(c.spec for c in comps)
         self.assigned = [self.candidates[0]] * len(self.buckets)
+        for w in self._workers:  # hierarchical schemes split the communicator: every worker first, then bind
+            w.choice = _Choice(w, self.candidates, self._scheme_for)  # type: ignore[attr-defined]
         for w in self._workers:
-            w.choice = _Choice(w, self.candidates)  # type: ignore[attr-defined]
+            for scheme in w.choice.schemes.values():  # type: ignore[attr-defined]
+                scheme.bind()
             w.stateful = list(dict.fromkeys([*w.stateful, *w.choice.stateful()]))  # type: ignore[attr-defined]
+
+    def _scheme_for(self, c: Compressor, comm: Any) -> Any:
+        if self.config.hierarchical:
+            return HierarchicalScheme(c, comm, INTRA_DTYPES[self.config.intra_dtype])
+        return SchemeState(c, comm)
 
     def _select(self, w: _Worker, b: Bucket) -> tuple[Compressor, Any]:
         if not (b.compressed and self.compressing):

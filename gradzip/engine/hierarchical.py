@@ -66,6 +66,40 @@ class HierarchicalScheme:
             return self.inner.exchange(compressor, tensors, key)
         return HierarchicalExchange(compressor, self, tensors, key)
 
+    def residual(self, key: str, numel: int) -> Tensor | None:
+        """This rank's error memory of the bucket exchanged under ``key`` (``numel`` elements), as
+        a flat bucket-sized tensor to add to this rank's next local gradient: its shard's memory (a
+        node's leader: the whole bucket's, for per_tensor compressors) at the shard's place, times
+        the ranks per node, since the node averages local gradients before compressing; zeros
+        elsewhere. None when it holds none. (For the per-bucket choice of compressors.)"""
+        self.bind()
+        g = self.topo.ranks_per_node
+        if g == 1:
+            assert self.inner is not None
+            return self.inner.residual(key, numel)
+        if self.compressor.per_tensor:
+            if self.leader_inner is None or self.topo.local_rank != 0:
+                return None
+            mem = self.leader_inner.residual(f"{key}/node", numel)
+            return None if mem is None else mem * g
+        chunk = math.ceil(numel / g) if numel else 0
+        assert self.inner is not None
+        mem = self.inner.residual(f"{key}/node", chunk)
+        if mem is None:
+            return None
+        out = mem.new_zeros(g * chunk)
+        out[self.topo.local_rank * chunk:(self.topo.local_rank + 1) * chunk] = mem * g
+        return out[:numel]
+
+    def forget(self, key: str) -> None:
+        """Free every state of ``key`` (its shard's, or the leader's, under ``key/node``)."""
+        self.bind()
+        assert self.inner is not None
+        for inner in (self.inner, self.leader_inner):
+            if inner is not None:
+                inner.forget(key)
+                inner.forget(f"{key}/node")
+
     def compressors(self) -> list[Compressor]:
         self.bind()
         assert self.inner is not None

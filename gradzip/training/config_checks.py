@@ -27,13 +27,14 @@ def _flat_memory(comp: Any) -> bool:
 
 
 def check_auto(cfg: Any, source: str) -> None:
-    """``--compressor auto``: its spec, and the modes it plans for (per-step exchange, flat)."""
+    """``--compressor auto``: its spec, and the modes it plans for (the per-step exchange, flat or
+    hierarchical)."""
     try:
         parse_auto(cfg.compressor)
     except SpecError as e:
         raise GradzipError(f"{_pre(source)}--compressor: {e}") from None
     clash = ("--exchange (each candidate brings its own)" if cfg.exchange is not None else
-             f"--sync {cfg.sync}" if cfg.sync_spec.outer else "--hierarchical" if cfg.hierarchical else
+             f"--sync {cfg.sync}" if cfg.sync_spec.outer else
              f"--{cfg.sharding}" if cfg.sharding != "none" else
              f"--optimizer {cfg.optimizer}" if cfg.optimizer.startswith("onebit-") or cfg.optimizer == "demo"
              else None)

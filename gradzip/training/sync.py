@@ -47,7 +47,7 @@ def make_synchronizer(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch
         from gradzip.engine.auto import AutoEngine
 
         config = EngineConfig(bucket_cap_mb=cfg.bucket_cap_mb, min_compress_numel=cfg.min_compress_numel,
-                              agree=cfg.agreement())
+                              agree=cfg.agreement(), hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
         auto = AutoEngine(model, cfg.spec, runtime.target, config, log=Path(cfg.out) / "policy.jsonl")
         auto.bind_optimizer(optimizer)
         return auto
