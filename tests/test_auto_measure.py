@@ -45,3 +45,15 @@ def test_codecs_of_a_model_with_nothing_to_compress_cost_nothing():
 
     costs = time_codecs(["none", "fp16", "topk:ratio=0.1,ef=true"], [])
     assert set(costs) == {"none", "fp16", "topk:ratio=0.1,ef=true"} and all(c.encode_s == 0 for c in costs.values())
+
+
+def test_a_failed_probe_names_the_group_and_keeps_the_error_type():
+    from gradzip.errors import CommTimeout
+
+    class Dead(Link):
+        def allreduce(self, t, op="sum"):
+            raise CommTimeout("allreduce timed out after 5 s on rank 0 waiting for rank 1")
+
+    with pytest.raises(CommTimeout, match=r"auto's link probe over the node leaders \(between nodes\): allreduce "
+                                          r"timed out .* rank 1"):
+        probe_link(Dead(0, 1), 2, group="the node leaders (between nodes)")

@@ -91,7 +91,8 @@ class AutoEngine(ChoiceEngine):
         # groups itself); the other ranks wait, then every rank takes the leaders' mean.
         topo = self._workers[0].scheme.topo
         device = self.buckets[0].device
-        mine = probe_link(topo.cross, topo.cross.world_size, device) if topo.local_rank == 0 else (0.0, 0.0)
+        mine = (probe_link(topo.cross, topo.cross.world_size, device, "the node leaders (between nodes)")
+                if topo.local_rank == 0 else (0.0, 0.0))
         t = torch.tensor([mine[0], 1.0 / mine[1] if mine[1] else 0.0], dtype=torch.float64, device=device)
         self.comm.allreduce(t, "sum")
         leaders = max(self.world_size // topo.ranks_per_node, 1)
@@ -106,7 +107,8 @@ class AutoEngine(ChoiceEngine):
             w = self._world
             return w.ranks_per_node, float(w.intra.latency_s), float(w.intra.bandwidth_bps)
         topo = self._workers[0].scheme.topo
-        return (topo.ranks_per_node, *probe_link(topo.node, topo.ranks_per_node, self.buckets[0].device))
+        return (topo.ranks_per_node, *probe_link(topo.node, topo.ranks_per_node, self.buckets[0].device,
+                                                 f"the ranks of rank {self.comm.rank}'s node (inside it)"))
 
     def time_codecs(self) -> dict[str, CodecCost]:
         """Each candidate's encode + decode seconds per element, on buffers of the compressed buckets' sizes."""

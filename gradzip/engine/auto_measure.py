@@ -27,6 +27,7 @@ from gradzip.cluster.network import Cluster, CodecCost
 from gradzip.cluster.simulate import BucketShape, Workload
 from gradzip.compress.base import unflatten
 from gradzip.compress.registry import create
+from gradzip.errors import CommError
 from gradzip.io import atomic_write_text, read_jsonl
 from gradzip.plan.auto import AutoSpec
 
@@ -34,8 +35,11 @@ PROBE_BYTES = (64 << 10, 1 << 20, 8 << 20)
 PROBE_ENOUGH_S = 0.02  # a transfer this long measures the bandwidth well enough
 
 
-def probe_link(comm: Any, n: int, device: torch.device | str = "cpu") -> tuple[float, float]:
+def probe_link(comm: Any, n: int, device: torch.device | str = "cpu",
+               group: str = "all ranks") -> tuple[float, float]:
     """(latency s, bandwidth bits/s) from timed allreduces on ``comm`` (``n`` ranks; collective).
+    A collective that fails or times out is re-raised, as the same error, naming ``group`` before
+    the communicator's own message (which names the rank).
 
     Sizes go up from 64 KiB and stop at the first (after two) whose transfer takes
     :data:`PROBE_ENOUGH_S`: a longer one would tell no more and, on a slow link, costs seconds of
@@ -43,6 +47,13 @@ def probe_link(comm: Any, n: int, device: torch.device | str = "cpu") -> tuple[f
     is on the ranks' mean time (one 8-byte allreduce per size)."""
     if n <= 1:
         return 0.0, float("inf")
+    try:
+        return _probe(comm, n, device)
+    except CommError as e:
+        raise type(e)(f"auto's link probe over {group}: {e}") from e
+
+
+def _probe(comm: Any, n: int, device: torch.device | str) -> tuple[float, float]:
     pts = []
     for nbytes in PROBE_BYTES:
         buf = torch.zeros(nbytes // 4, device=device)
