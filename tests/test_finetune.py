@@ -113,6 +113,32 @@ def test_metric_function():
     assert set(classification_metrics(torch.tensor([2, 0]), torch.tensor([2, 1]), 3)) == {"accuracy"}
 
 
+def test_the_saved_model_loads_in_transformers_with_the_summarys_numbers(task, ft_run):
+    """``OUT/model`` is the final classifier: HF's model and tokenizer, read from it alone, give the
+    validation loss and the predictions that gradzip recorded."""
+    transformers = pytest.importorskip("transformers")
+    d = ft_run / "model"
+    s = json.loads((ft_run / "summary.json").read_text())
+    assert s["saved_model"] == "model"
+    assert {"config.json", "vocab.txt", "tokenizer.json", "README.md"} <= set(tree(d))
+    assert "model.safetensors" in tree(d) or "pytorch_model.bin" in tree(d)
+    model = transformers.BertForSequenceClassification.from_pretrained(d).eval()
+    tok = transformers.BertTokenizerFast.from_pretrained(d)
+    rows = [json.loads(x) for x in (task / "validation.jsonl").read_text().splitlines()]
+    enc = tok([r["text"] for r in rows], padding=True, truncation=True, max_length=SEQ_LEN, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**enc).logits
+    labels = torch.tensor([r["label"] for r in rows])
+    assert float(torch.nn.functional.cross_entropy(logits, labels)) == pytest.approx(s["eval_loss"], abs=1e-5)
+    recorded = torch.tensor([json.loads(x)["prediction"] for x in (ft_run / "predictions.jsonl").read_text()
+                             .splitlines()])
+    clear = (logits[:, 1] - logits[:, 0]).abs() > 1e-4  # a near-tie may round either way
+    assert clear.any() and torch.equal(logits.argmax(-1)[clear], recorded[clear])
+    assert model.config.id2label == {0: "0", 1: "1"} and model.config.num_labels == 2
+    card = (d / "README.md").read_text()
+    assert f"{s['accuracy']:.4f}" in card and "pipeline_tag: text-classification" in card
+
+
 def _write_csv(path: Path, header: str, rows: list[str]) -> Path:
     path.write_text(header + "\n" + "\n".join(rows) + "\n", encoding="utf-8")
     return path
@@ -126,6 +152,8 @@ def test_string_labels_pairs_and_random_init(run, task, tmp_path):
     val = _write_csv(tmp_path / "val.csv", "text,label", rows[:20])
     s = finetune(str(run), "--train", str(train), "--validation", str(val), *FAST, "--out", str(tmp_path / "s"))
     assert s["labels"] == ["fruity", "neutral"] and s["positive_label"] == "neutral"  # sorted: ids 0, 1
+    config = json.loads((tmp_path / "s" / "model" / "config.json").read_text())
+    assert config["id2label"] == {"0": "fruity", "1": "neutral"} and config["label2id"] == {"fruity": 0, "neutral": 1}
     preds = [json.loads(x) for x in (tmp_path / "s" / "predictions.jsonl").read_text().splitlines()]
     assert {p["label"] for p in preds} <= {"fruity", "neutral"} and len(preds) == 20
 
@@ -133,7 +161,8 @@ def test_string_labels_pairs_and_random_init(run, task, tmp_path):
     pairs.write_text("".join(json.dumps({"text_a": a["text"], "text_b": b["text"], "label": b["label"]}) + "\n"
                              for a, b in zip(recs, recs[1:] + recs[:1])))
     p = finetune(str(run), "--train", str(pairs), "--validation", str(pairs), *FAST, "--init", "random",
-                 "--out", str(tmp_path / "p"))
+                 "--no-save-model", "--out", str(tmp_path / "p"))
+    assert p["saved_model"] is None and not (tmp_path / "p" / "model").exists()
     assert p["init"] == "random" and p["examples"]["train"] == 64 and "f1" in p
     assert p["truncated"]["train"] > 0  # two sentences do not always fit in 48 tokens: cut, not refused
 

@@ -19,8 +19,10 @@ weights (:class:`TrainingError` if they differ).
 Written to ``out`` (which must be new or empty): ``summary.json`` (accuracy, for two classes F1,
 precision and recall of the second label, eval loss, the per-epoch history, example counts, the
 labels in id order, the checkpoint used, init, settings, seconds), ``metrics.jsonl`` (one record
-per epoch, also sent to the ``log`` sinks) and ``predictions.jsonl`` (the label and the prediction
-of every validation example, in file order). Bad input is a :class:`GradzipError` raised before
+per epoch, also sent to the ``log`` sinks), ``predictions.jsonl`` (the label and the prediction
+of every validation example, in file order) and, unless ``save_model`` is off, ``model/``: the
+fine-tuned classifier as a Hugging Face ``BertForSequenceClassification`` directory
+(:mod:`gradzip.training.finetune_save`). Bad input is a :class:`GradzipError` raised before
 anything is written.
 """
 
@@ -47,6 +49,7 @@ from gradzip.io import atomic_write_text
 from gradzip.models import BertConfig, BertForPreTraining
 from gradzip.training import checkpoint, export
 from gradzip.training.finetune_data import Encoded, classification_metrics, encode, label_names, read_examples
+from gradzip.training.finetune_save import save_classifier
 from gradzip.training.loggers import check_available, open_sinks, parse_log
 from gradzip.training.metrics import write_summary
 from gradzip.training.schedule import WarmupDecay
@@ -83,6 +86,7 @@ class FinetuneConfig:
     log: str | None = None
     backend: str | None = None
     timeout: float = 300.0
+    save_model: bool = True
 
     def check(self) -> None:
         """Raise :class:`GradzipError` for a setting out of range (reads no file)."""
@@ -271,7 +275,10 @@ def finetune(cfg: FinetuneConfig, echo: Callable[[str], None] | None = None) -> 
         digest = run.digest()
         summary = _summary(cfg, source, names, train, val, history, preds, eval_loss, backend, world, digest,
                            time.perf_counter() - t0)
+        summary["saved_model"] = "model" if cfg.save_model else None
         if rank == 0:
+            if cfg.save_model:  # before summary.json, whose presence marks the run complete
+                save_classifier(out / "model", model, source.config, source.tokenizer, names, summary)
             atomic_write_text(out / "predictions.jsonl", "".join(
                 json.dumps({"label": names[int(y)], "prediction": names[int(p)]}) + "\n"
                 for y, p in zip(val.labels, preds)))

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "text_b) and label, or hf:NAME[:CONFIG[:SPLIT]] such as hf:glue:sst2")
     parser.add_argument("--validation", metavar="FILE", help="validation data, as --train (hf: split validation)")
     parser.add_argument("--out", metavar="DIR", help="a new or empty directory for summary.json, metrics.jsonl, "
-                        "predictions.jsonl")
+                        "predictions.jsonl and model/")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training data (default 3)")
     parser.add_argument("--lr", type=float, default=5e-5, help="peak learning rate of AdamW (default 5e-5)")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size, split across ranks "
@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sim: one process; gloo: data-parallel ranks under torchrun/mpirun/srun "
                              "(default: gloo when the launcher has several ranks, else sim)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may take (gloo)")
+    parser.add_argument("--save-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="write the fine-tuned classifier to OUT/model as a Hugging Face "
+                             "BertForSequenceClassification directory (default: on)")
     parser.add_argument("--make-synthetic", metavar="DIR", default=None,
                         help="instead: write the synthetic keyword task (train.jsonl, validation.jsonl) to DIR")
     parser.add_argument("--corpus", metavar="SPEC", default=None,
@@ -66,13 +69,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = FinetuneConfig(checkpoint=args.checkpoint, train=args.train, validation=args.validation, out=args.out,
                          epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, warmup=args.warmup,
                          seq_len=args.seq_len, seed=args.seed, weight_decay=args.weight_decay, dropout=args.dropout,
-                         init=args.init, step=args.step, log=args.log, backend=args.backend, timeout=args.timeout)
+                         init=args.init, step=args.step, log=args.log, backend=args.backend, timeout=args.timeout,
+                         save_model=args.save_model)
     lead = detect_launcher_env().rank == 0
     summary = finetune(cfg, echo=lambda line: print(f"gradzip finetune: {line}", flush=True))
     if lead:
         f1 = f", f1 {summary['f1']:.4f}" if "f1" in summary else ""
         print(f"gradzip finetune: accuracy {summary['accuracy']:.4f}{f1} on {summary['examples']['validation']} "
-              f"validation examples ({cfg.init} init from {summary['checkpoint']}); wrote {cfg.out}/summary.json")
+              f"validation examples ({cfg.init} init from {summary['checkpoint']}); wrote {cfg.out}/summary.json"
+              + (f" and the model to {cfg.out}/model" if cfg.save_model else ""))
     return 0
 
 
