@@ -11,6 +11,8 @@ to ``--out`` (JSON):
    tensors against its CPU result: the same payload bytes; deterministic compressors (those whose
    CPU result does not change with the torch seed) the same output to 1e-4 of its scale; the
    stochastic ones a round-trip error within 2× of the CPU's.
+   ``host-syncs`` (CUDA only): every compressor that declares no host sync (``host_syncs``), bare
+   and with error feedback, runs its round trip under CUDA's sync debug mode without a warning.
 3. ``train-fp16``: ``gradzip train --device cuda --precision fp16`` (autocast + GradScaler) on 2 sim
    workers with a NaN injected at step 4 (``GRADZIP_FAULT``): the step is skipped on every worker,
    the run finishes and its loss is finite; ``train-nccl``: the same on ``--backend nccl`` with
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 CHECKS = ("collectives", "compressors", "train", "bench")
+SHAPES = [(256, 512), (4096,), (33,)]  # one bucket: a matrix, a vector, a small odd tensor
 
 
 def _collectives_worker(out: str) -> None:
@@ -89,21 +92,68 @@ def check_collectives(ranks: int, backend: str, timeout: float = 120.0) -> dict[
     return {"ok": not bad, "detail": f"{ranks} rank(s) on {res[0]['device']}" + (f"; wrong: {bad}" if bad else "")}
 
 
-def _round_trip(c: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+def _device_round_trip(c: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """One rank's exchange of one bucket, on the tensors' device: outputs and payload bytes."""
     payload, ctx = c.compress_batch(tensors, "b")
     sent = sum(p.numel() * p.element_size() for p in payload)
     for _ in range(1, c.rounds):
         payload, ctx = c.next_round_batch(tuple(p.clone() for p in payload), ctx)
         sent += sum(p.numel() * p.element_size() for p in payload)
-    out = c.decompress_batch(tuple(p.clone() for p in payload), ctx)
+    return c.decompress_batch(tuple(p.clone() for p in payload), ctx), sent
+
+
+def _round_trip(c: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    out, sent = _device_round_trip(c, tensors)
     return [t.float().cpu() for t in out], sent
+
+
+def check_host_syncs(device: torch.device, compressors: Any = None,
+                     set_mode: Any = None) -> dict[str, Any]:
+    """Every compressor that declares no host sync (``host_syncs == ""``), bare and with EF: one
+    round trip to warm up (lazy initialisation may sync once), then one under CUDA's sync debug
+    mode, counting the synchronizing calls it warns of. ``compressors`` and ``set_mode`` default
+    to the registry's and ``torch.cuda.set_sync_debug_mode`` (tests pass their own)."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    if compressors is None:
+        compressors = _declared_sync_free()
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=gen).to(device) for s in SHAPES]
+    syncs: dict[str, Any] = {}
+    for c in compressors:
+        try:
+            _device_round_trip(c, [g.clone() for g in grads])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                set_mode("warn")
+                try:
+                    _device_round_trip(c, [g.clone() for g in grads])
+                finally:
+                    set_mode("default")
+            if n := sum("synchroniz" in str(w.message) for w in caught):
+                syncs[c.spec] = n
+        except Exception as e:  # noqa: BLE001 - the compressors check reports crashes; note it here too
+            syncs[c.spec] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    n = len(compressors)
+    return {"ok": not syncs, "syncs": syncs,
+            "detail": f"{n - len(syncs)}/{n} specs that declare none queue their exchange without a host sync"
+                      + ("; " + "; ".join(f"{k}: {v}" for k, v in syncs.items()) if syncs else "")}
+
+
+def _declared_sync_free() -> list[Any]:
+    from gradzip.compress import create, registry
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # EF on an unbiased compressor warns; here it is on purpose
+        for name, cls in registry().items():
+            if not cls.host_syncs:
+                out += [create(s) for s in dict.fromkeys([name, f"{name}:ef=true"])]
+    return out
 
 
 def check_compressors(device: torch.device) -> dict[str, Any]:
     from gradzip.compress import registry
-    shapes = [(256, 512), (4096,), (33,)]
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in SHAPES]
     failed, n = [], 0
     with warnings.catch_warnings():
         return _compare_all(registry(), grads, device, failed, n)
@@ -197,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         "collectives-1": ("collectives", lambda: check_collectives(1, backend)),
         f"collectives-{args.ranks}": ("collectives", lambda: check_collectives(args.ranks, backend)),
         "compressors": ("compressors", lambda: check_compressors(torch.device(args.device))),
+        # On the CPU, tests/test_host_syncs.py checks the same on the meta device.
+        **({"host-syncs": ("compressors", lambda: check_host_syncs(torch.device("cuda")))} if args.device == "cuda"
+           else {}),
         "train-" + ("fp16" if args.device == "cuda" else "bf16"): (
             "train", lambda: check_train(args.device, "sim", 2, args.corpus)),
         "train-" + backend: ("train", lambda: check_train(args.device, backend, 1, args.corpus)),

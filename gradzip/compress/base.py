@@ -133,6 +133,7 @@ class Compressor(ABC):
     identity: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True
     own_ef: ClassVar[bool] = False
+    host_syncs: ClassVar[str] = ""  # why encoding waits for the device to report a value; "": never
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

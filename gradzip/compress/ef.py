@@ -89,6 +89,7 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
         self.rounds = inner.rounds
         self.biased = inner.biased
         self.lossless = inner.lossless
+        self.host_syncs = inner.host_syncs
         self.description = inner.description
         self.Config = inner.Config
         self.residual_from_output = isinstance(inner, ResidualFromOutput) and inner.residual_from_output

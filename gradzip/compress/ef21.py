@@ -52,7 +52,7 @@ class EF21(BucketCompressor):
         self._gather: tuple[list[Tensor], list[torch.dtype]] | None = None  # allgather: for aggregate()
         self._next = 0
         for attr in ("name", "collective", "exchange", "per_tensor", "fixed_size", "rounds", "biased",
-                     "lossless", "description", "Config"):
+                     "lossless", "description", "Config", "host_syncs"):
             setattr(self, attr, getattr(inner, attr))
         self.schemes = (inner.collective,)
 

@@ -70,8 +70,8 @@ class FP8(Compressor):
         codes, scale = payload
         fmt = FORMATS[self.config.format]
         out = codes.view(fmt).float() * scale
-        if not bool(torch.isfinite(scale).all()):  # a non-finite input never decodes as finite numbers
-            out = torch.full_like(out, float("nan"))
+        # A non-finite input never decodes as finite numbers; a select, not a branch: no host sync.
+        out = torch.where(torch.isfinite(scale), out, float("nan"))
         return out.to(ctx.dtype).view(ctx.shape)
 
     def payload_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:

@@ -64,6 +64,7 @@ class Int8Bins(DecodeAggregate, SubtractSent, Compressor):
     biased = True
     description = "uint8 index of 256 bins over mean±sigmas·σ + 256 fp32 bin means; decodes to bin means (INTELLECT-1)"
     Config = Int8BinsConfig
+    host_syncs = "torch.bincount reads the codes' maximum on the host to size its output"
 
     @torch.no_grad()
     def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, Ctx]:

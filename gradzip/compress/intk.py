@@ -59,6 +59,7 @@ class IntK(KeyCounters, Compressor):
     biased = False
     description = "block-wise absmax int2/4/8 + fp32 scale per block, stochastic rounding (ZeRO++ qgZ)"
     Config = IntKConfig
+    host_syncs = "compress reads a digest of the gradient on the host to seed its rounding stream"
 
     def __init__(self, config: IntKConfig | None = None) -> None:
         super().__init__(config)

@@ -102,6 +102,7 @@ class StochasticCode(KeyCounters, Compressor):
     collective = "allgather"
     schemes = ("allgather", "twophase")
     biased = False
+    host_syncs = "compress reads a digest of the gradient on the host to seed its rounding stream"
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)

@@ -50,8 +50,10 @@ class SignSGD(SignCode):
         # or broken rank) takes the general path.
         shape, dtype = ctx
         n = numel_of(shape)
+        if payloads[0][1].device.type != "cpu":  # its vote check reads the scales on the host: there,
+            return None  # the general path's elementwise decode is cheaper than stalling the stream
         scales = torch.stack([p[1].to(dtype).float().abs().reshape(()) for p in payloads])
         if type(self).decompress is not SignCode.decompress or n == 0 or \
-                not bool((torch.isfinite(scales) & (scales > 0)).all()):  # one host sync, not one per rank
+                not bool((torch.isfinite(scales) & (scales > 0)).all()):  # CPU: a read, not a stall
             return None
         return decode_vote([p[0] for p in payloads], n, scales.mean(), dtype).view(shape)

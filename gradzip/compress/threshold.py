@@ -58,6 +58,7 @@ class Threshold(DecodeAggregate, SubtractSent, Compressor):
     fixed_size = False
     description = "hard threshold: values + int32 indices of the entries with |g| >= tau (variable size)"
     Config = ThresholdConfig
+    host_syncs = "nonzero() reads the number of entries over tau on the host: the payload's size"
 
     def compress(self, tensor: Tensor, key: str = "") -> tuple[Payload, _Ctx]:
         flat = tensor.detach().reshape(-1)
