@@ -75,13 +75,13 @@ from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
 from gradzip.engine.config import INTRA_DTYPES, EngineConfig
 from gradzip.engine.exchange import Exchange
-from gradzip.engine.handshake import broadcast_state, check_agreement, fingerprint
+from gradzip.engine.handshake import start_up
 from gradzip.engine.hierarchical import HierarchicalScheme
 from gradzip.engine.schemes import SchemeState
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import ExchangePlan, OptimizerStep, ShapesExchange
 from gradzip.engine.timing import step_stats
-from gradzip.engine.worker import _Hook, _Worker
+from gradzip.engine.worker import _Hook, _Worker, write_back
 from gradzip.errors import GradzipError
 from gradzip.plan.buckets import Bucket, MiB, assign_buckets
 
@@ -129,14 +129,7 @@ class Engine:
         self.last_timings: list[BucketTiming] = []
         self.last_schedule: list[Span] = []
 
-        if self.config.check:
-            options = {"bucket_cap_mb": self.config.bucket_cap_mb, "min_compress_numel": self.config.min_compress_numel,
-                       "hierarchical": self.config.hierarchical, "intra_dtype": self.config.intra_dtype}
-            doc = fingerprint(named, self.spec, options, self.config.agree)
-            check_agreement(comms, [doc] * len(comms))
-        if self.config.broadcast:
-            state = [p for _, p in named] + [b for b in model.buffers() if b.is_floating_point()]
-            broadcast_state(comms, state, cap, shared=self.sim)
+        start_up(comms, model, self.spec, self.config, cap, shared=self.sim)
         # The exchange scheme's own state (server memory, sub-communicators): may split the
         # communicator, so only once every rank agreed on the settings.
         for w in self._workers:
@@ -447,7 +440,7 @@ class Engine:
                     # decoding is deterministic; the multi-process tests compare sim with Gloo/MPI),
                     # so the one shared model takes worker 0's.
                     t0 = self._now()
-                    self._write_back(self.buckets[bi], self._workers[0].exchanges[bi].result())  # type: ignore[union-attr]
+                    write_back(self.buckets[bi], self._workers[0].exchanges[bi].result())  # type: ignore[union-attr]
                     dt = self._now() - t0
                     if not self.sim:
                         self._workers[0].marks.append(("compute", "decode", t0, t0 + dt, bi, None))
@@ -471,15 +464,6 @@ class Engine:
     def _select(self, w: _Worker, b: Bucket) -> tuple[Compressor, Any]:
         """Bucket ``b``'s compressor and exchange scheme this step (the auto policy: its plan's)."""
         return (w.compressor if b.compressed and self.compressing else self._plain), w.scheme
-
-    def _write_back(self, b: Bucket, result: list[Tensor]) -> None:
-        per_tensor = len(result) == len(b.shapes) and all(r.shape == s for r, s in zip(result, b.shapes))
-        parts = result if per_tensor else unflatten(result[0], b.shapes)
-        for p, avg in zip(b.params, parts):
-            if p.grad is None:
-                p.grad = avg.detach().clone()
-            else:
-                p.grad.copy_(avg)
 
 
 def attach(model: torch.nn.Module, compressor: str | Compressor = "none", comm: Communicator | SimWorld | None = None,

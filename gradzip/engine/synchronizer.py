@@ -6,7 +6,8 @@ Three kinds of synchronisation implement it:
 - :class:`gradzip.engine.diloco.DiLoCo` (and LocalSGD, Streaming DiLoCo): every worker steps its
   own inner optimizer, and every H steps the pseudo-gradients are exchanged and an outer step
   merges them;
-- sharded training adds a third in the same shape.
+- :class:`gradzip.engine.fsdp_sync.FSDPSync`: sharded training (FSDP2/HSDP), whose reductions run
+  inside backward, compressed by :func:`gradzip.engine.fsdp.fsdp_compress`.
 
 A loop over one optimizer step reads the same for all of them (``gradzip train`` is this loop)::
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from gradzip.cluster.schedule import BucketTiming, Mark
 from gradzip.comm.base import Communicator
-from gradzip.compress.base import Compressor
+from gradzip.compress.base import Compressor, unflatten
 from gradzip.engine.exchange import Exchange
 from gradzip.plan.buckets import Bucket
 
@@ -69,3 +69,14 @@ class _Worker:
         if buf is None:
             buf = self.buffers[b.index] = torch.empty(b.numel, dtype=b.dtype, device=b.device)
         return buf
+
+
+def write_back(b: Bucket, result: list[Tensor]) -> None:
+    """Put bucket ``b``'s averaged gradient (one flat tensor, or one per parameter) into ``p.grad``."""
+    per_tensor = len(result) == len(b.shapes) and all(r.shape == s for r, s in zip(result, b.shapes))
+    parts = result if per_tensor else unflatten(result[0], b.shapes)
+    for p, avg in zip(b.params, parts):
+        if p.grad is None:
+            p.grad = avg.detach().clone()
+        else:
+            p.grad.copy_(avg)

@@ -66,7 +66,6 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import itertools
 import re
@@ -77,19 +76,22 @@ from typing import Any
 
 from gradzip.errors import GradzipError, SpecError
 from gradzip.experiments.downstream import Downstream, parse_downstream
-from gradzip.plots.results import FIGURE_CHOICES, describe_where, is_figure, matches_where
-from gradzip.plots.retime import bandwidth_columns
+from gradzip.experiments.spec_tables import (
+    NOT_IN_SPECS,
+    PlotOptions,
+    Target,
+    check_keys,
+    check_plot,
+    check_repeats,
+    check_target,
+    expect,
+    spec_train_keys,
+)
+from gradzip.plots.results import describe_where, matches_where
 from gradzip.training.config import TrainConfig
 
 MAX_NAME = 120
 TOP_KEYS = {"name", "description", "base", "grid", "target", "plot", "repeats", "downstream"}
-REPEATS_KEYS = {"n", "where"}
-MAX_REPEATS = 100
-TARGET_KEYS = {"loss", "metric", "smoothing", "bandwidths"}
-PLOT_KEYS = {"figures", "captions", "title", "where"}
-RUNNER_KEYS = {"out", "resume"}  # set per cell by the runner
-NOT_IN_SPECS = RUNNER_KEYS | {"config"}  # `config` names a file for `gradzip train`; a spec is that file
-TARGET_METRICS = ("loss", "eval_loss")
 
 
 def trace_for_spec(config: dict[str, Any], src: Path) -> dict[str, Any]:
@@ -120,33 +122,6 @@ def netem_for_cell(config: dict[str, Any]) -> dict[str, Any]:
             hosts = workers // per_node
         return {**config, "netem": f"{hosts}:{config['bandwidth']}"}
     return config
-
-
-@dataclass
-class Target:
-    """Time-to-target definition: the first step where ``metric`` is at or below ``loss``.
-
-    ``metric="loss"`` uses the training loss smoothed by an exponential moving average
-    (bias-corrected; ``smoothing`` is its decay, 0 = raw); ``"eval_loss"`` uses the evaluations only, so
-    its resolution is ``eval_every`` steps.
-
-    ``bandwidths`` (as written: ``"100mbit"``, or a number of bits/s) add, per bandwidth, the time
-    to target modelled by re-timing each run at that link (:mod:`gradzip.plots.retime`): a results
-    column ``time_to_target_<B>_s`` and the ``time_to_target`` figure.
-    """
-
-    loss: float
-    metric: str = "loss"
-    smoothing: float = 0.9
-    bandwidths: list[str | float] = field(default_factory=list)
-
-
-@dataclass
-class PlotOptions:
-    figures: list[str] | None = None  # None: every figure the data supports
-    captions: dict[str, str] = field(default_factory=dict)
-    title: str | None = None
-    where: dict[str, dict[str, Any]] = field(default_factory=dict)  # figure -> {key: value or [values]}
 
 
 @dataclass
@@ -216,28 +191,6 @@ def cell_name_from(axes: list[str], values: list[Any]) -> str:
 
 # -- loading --------------------------------------------------------------------------------
 
-def _train_keys() -> set[str]:
-    return {f.name for f in dataclasses.fields(TrainConfig)}
-
-
-def _check_keys(where: str, table: dict[str, Any], allowed: set[str], src: Path) -> None:
-    for key in table:
-        if key not in allowed:
-            near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
-            hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(sorted(allowed))}"
-            raise SpecError(f"{src}: unknown key {key!r} in {where}; {hint}")
-
-
-def _expect(value: Any, types: type | tuple[type, ...], what: str, src: Path, hint: str) -> None:
-    # bool is an int in Python; a TOML `true` is never a valid number here.
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
-        raise SpecError(f"{src}: {what} must be {hint}, got {type(value).__name__} {value!r}")
-
-
-def _as_tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
-    return t if isinstance(t, tuple) else (t,)
-
-
 def _check_bundles(axis: str, values: list[Any], train_keys: set[str], src: Path) -> set[str]:
     """An axis of tables (``method = [{compressor = "none", accumulation = 2}, ...]``): every value is a
     table of train keys, plus an optional ``label`` used in the cell's directory name."""
@@ -246,16 +199,16 @@ def _check_bundles(axis: str, values: list[Any], train_keys: set[str], src: Path
                         "tables; name an axis of tables after what it varies, e.g. method = [{...}, {...}]")
     keys: set[str] = set()
     for v in values:
-        _expect(v, dict, f"[grid] axis {axis!r} value", src,
+        expect(v, dict, f"[grid] axis {axis!r} value", src,
                 "a table like every other value of this axis, e.g. {compressor = \"none\", accumulation = 2}")
         if not v or set(v) == {"label"}:
             raise SpecError(f"{src}: [grid] axis {axis!r} has an empty table; give train keys, e.g. {{seed = 1}}")
         for k in v:
             if k in NOT_IN_SPECS:
                 raise SpecError(f"{src}: [grid] axis {axis!r}: key {k!r} is not allowed in a spec; remove it")
-        _check_keys(f"[grid] axis {axis!r}", v, train_keys | {"label"}, src)
+        check_keys(f"[grid] axis {axis!r}", v, train_keys | {"label"}, src)
         for k, x in v.items():
-            _expect(x, (str, int, float, bool), f"[grid] {axis!r} key {k!r}", src, "a string, number or boolean")
+            expect(x, (str, int, float, bool), f"[grid] {axis!r} key {k!r}", src, "a string, number or boolean")
         keys |= set(v) - {"label"}
     return keys
 
@@ -296,19 +249,19 @@ def load_spec(path: str | Path) -> Spec:
 
 def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
     """Validate an already-parsed TOML document (``src`` is used in messages)."""
-    _check_keys("the spec's top level", raw, TOP_KEYS, src)
+    check_keys("the spec's top level", raw, TOP_KEYS, src)
     name = raw.get("name", src.stem)
-    _expect(name, str, "'name'", src, "a string")
+    expect(name, str, "'name'", src, "a string")
     if not name.strip() or _safe(name) != name:
         raise SpecError(f"{src}: 'name' {name!r} must be a plain word (letters, digits, '.', '_', '-', '=')")
     description = raw.get("description", "")
-    _expect(description, str, "'description'", src, "a string")
-    train_keys = _train_keys() - NOT_IN_SPECS
+    expect(description, str, "'description'", src, "a string")
+    train_keys = spec_train_keys()
     base = _check_base(raw.get("base", {}), train_keys, src)
     grid = _check_grid(raw, base, train_keys, src)
-    target = _check_target(raw["target"], src) if "target" in raw else None
-    plot = _check_plot(raw["plot"], src) if "plot" in raw else PlotOptions()
-    repeats, repeats_where = _check_repeats(raw.get("repeats", 1), grid, src)
+    target = check_target(raw["target"], src) if "target" in raw else None
+    plot = check_plot(raw["plot"], src) if "plot" in raw else PlotOptions()
+    repeats, repeats_where = check_repeats(raw.get("repeats", 1), grid, src)
     base = trace_for_spec(base, src)
     checked = netem_for_cell(dict(base))  # a trace without netem yet: each cell checks it with its own
     validate_config(checked if checked.get("netem") else {**checked, "netem_trace": None}, src, "[base]")
@@ -327,12 +280,12 @@ def parse_spec(raw: dict[str, Any], src: Path) -> Spec:
 
 def _check_base(base: Any, train_keys: set[str], src: Path) -> dict[str, Any]:
     """The ``[base]`` table: training keys only, none of those the runner sets."""
-    _expect(base, dict, "[base]", src, "a table")
+    expect(base, dict, "[base]", src, "a table")
     for key in base:
         if key in NOT_IN_SPECS:
             raise SpecError(f"{src}: [base] key {key!r} is not allowed in a spec (the runner sets out and resume "
                             "per cell; the spec replaces a --config file); remove it")
-    _check_keys("[base]", base, train_keys, src)
+    check_keys("[base]", base, train_keys, src)
     return base
 
 
@@ -342,7 +295,7 @@ def _check_grid(raw: dict[str, Any], base: dict[str, Any], train_keys: set[str],
     if "grid" not in raw:
         raise SpecError(f"{src}: no [grid] table; add at least one axis, e.g. [grid] seed = [0]")
     grid = raw["grid"]
-    _expect(grid, dict, "[grid]", src, "a table of axes (lists)")
+    expect(grid, dict, "[grid]", src, "a table of axes (lists)")
     if not grid:
         raise SpecError(f"{src}: [grid] is empty; add at least one axis, e.g. seed = [0]")
     provided: dict[str, str] = {k: "[base]" for k in base}  # train key -> where it is set
@@ -350,15 +303,15 @@ def _check_grid(raw: dict[str, Any], base: dict[str, Any], train_keys: set[str],
         if key in NOT_IN_SPECS:
             raise SpecError(f"{src}: [grid] axis {key!r} is not allowed in a spec (the runner sets out and resume "
                             "per cell); remove it")
-        _expect(values, list, f"[grid] axis {key!r}", src, "a list of values, e.g. [1, 2]")
+        expect(values, list, f"[grid] axis {key!r}", src, "a list of values, e.g. [1, 2]")
         if not values:
             raise SpecError(f"{src}: [grid] axis {key!r} is an empty list; give at least one value")
         if any(isinstance(v, dict) for v in values):
             keys = _check_bundles(key, values, train_keys, src)
         else:
-            _check_keys("[grid]", {key: values}, train_keys, src)
+            check_keys("[grid]", {key: values}, train_keys, src)
             for v in values:
-                _expect(v, (str, int, float, bool), f"[grid] {key!r} value", src, "a string, number or boolean")
+                expect(v, (str, int, float, bool), f"[grid] {key!r} value", src, "a string, number or boolean")
             keys = {key}
         texts = [_axis_text(key, v) for v in values]
         dup = next((t for t in texts if texts.count(t) > 1), None)
@@ -369,99 +322,6 @@ def _check_grid(raw: dict[str, Any], base: dict[str, Any], train_keys: set[str],
                 raise SpecError(f"{src}: {k!r} is set in both {provided[k]} and [grid] axis {key!r}; keep it in one")
             provided[k] = f"[grid] axis {key!r}"
     return grid
-
-
-def _check_target(t: Any, src: Path) -> Target:
-    """The ``[target]`` table: the loss to reach, the metric, its smoothing and the bandwidth columns."""
-    _expect(t, dict, "[target]", src, "a table, e.g. [target] loss = 6.5")
-    _check_keys("[target]", t, TARGET_KEYS, src)
-    if "loss" not in t:
-        raise SpecError(f"{src}: [target] needs 'loss', the loss to reach, e.g. loss = 6.5")
-    _expect(t["loss"], (int, float), "[target] 'loss'", src, "a number")
-    metric = t.get("metric", "loss")
-    if metric not in TARGET_METRICS:
-        raise SpecError(f"{src}: [target] metric {metric!r} is not one of {', '.join(TARGET_METRICS)}")
-    smoothing = t.get("smoothing", 0.9)
-    _expect(smoothing, (int, float), "[target] 'smoothing'", src, "a number in [0, 1)")
-    if not 0 <= smoothing < 1:
-        raise SpecError(f"{src}: [target] smoothing must be in [0, 1), got {smoothing}")
-    bandwidths = t.get("bandwidths", [])
-    _expect(bandwidths, list, "[target] 'bandwidths'", src, 'a list of bandwidths, e.g. ["100mbit", "1gbit"]')
-    try:
-        bandwidth_columns(bandwidths)
-    except SpecError as e:
-        raise SpecError(f"{src}: [target] bandwidths: {e}") from None
-    return Target(float(t["loss"]), metric, float(smoothing), list(bandwidths))
-
-
-def _check_plot(p: Any, src: Path) -> PlotOptions:
-    """The ``[plot]`` table: figures, captions, title and each figure's ``where``."""
-    plot = PlotOptions()
-    _expect(p, dict, "[plot]", src, "a table")
-    _check_keys("[plot]", p, PLOT_KEYS, src)
-    if "figures" in p:
-        figs = p["figures"]
-        _expect(figs, list, "[plot] 'figures'", src, f"a list of figure names ({FIGURE_CHOICES})")
-        for fig in figs:
-            if not is_figure(fig):
-                raise SpecError(f"{src}: [plot] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
-        plot.figures = list(figs)
-    caps = p.get("captions", {})
-    _expect(caps, dict, "[plot.captions]", src, "a table of figure name = caption")
-    for fig, text in caps.items():
-        if not is_figure(fig):
-            raise SpecError(f"{src}: [plot.captions] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
-        _expect(text, str, f"[plot.captions] {fig!r}", src, "a string")
-    plot.captions = dict(caps)
-    if "title" in p:
-        _expect(p["title"], str, "[plot] 'title'", src, "a string")
-        plot.title = p["title"]
-    plot.where = _check_where(p.get("where", {}), src)
-    return plot
-
-
-def _check_repeats(value: Any, grid: dict[str, Any], src: Path) -> tuple[int, dict[str, Any] | None]:
-    """``repeats = N`` or ``repeats = {n = N, where = {...}}`` -> (N, where or None)."""
-    where = None
-    if isinstance(value, dict):
-        _check_keys("repeats", value, REPEATS_KEYS, src)
-        if "n" not in value:
-            raise SpecError(f"{src}: repeats needs 'n', the number of seeds, e.g. repeats = {{ n = 3 }}")
-        if "where" in value:
-            where = _check_where({"loss_steps": value["where"]}, src)["loss_steps"]
-        value = value["n"]
-    _expect(value, int, "'repeats'", src, f"a whole number of seeds from 1 to {MAX_REPEATS}")
-    if not 1 <= value <= MAX_REPEATS:
-        raise SpecError(f"{src}: 'repeats' must be from 1 to {MAX_REPEATS} seeds, got {value}")
-    if value > 1 and "seed" in grid:
-        raise SpecError(f"{src}: seed is a [grid] axis and repeats is set; give the seeds in one place")
-    return value, where
-
-
-def _check_where(where: Any, src: Path) -> dict[str, dict[str, Any]]:
-    """``[plot.where]``: figure name -> non-empty table of train key -> value or non-empty list of values."""
-    _expect(where, dict, "[plot.where]", src, "a table of figure name = {key = value, ...}")
-    keys = _train_keys() - NOT_IN_SPECS
-    out: dict[str, dict[str, Any]] = {}
-    for fig, table in where.items():
-        if not is_figure(fig):
-            raise SpecError(f"{src}: [plot.where] unknown figure {fig!r}; valid: {FIGURE_CHOICES}")
-        _expect(table, dict, f"[plot.where] {fig!r}", src, "a table of train keys, e.g. { workers = 8 }")
-        if not table:
-            raise SpecError(f"{src}: [plot.where] {fig!r} is empty; give keys to select runs, e.g. {{ workers = 8 }}, "
-                            "or remove it")
-        _check_keys(f"[plot.where] {fig!r}", table, keys, src)
-        for key, value in table.items():
-            what = f"[plot.where] {fig!r} key {key!r}"
-            if isinstance(value, list):
-                if not value:
-                    raise SpecError(f"{src}: {what} is an empty list; give at least one value")
-                for v in value:
-                    _expect(v, (str, int, float, bool), f"{what} value", src, "a string, number or boolean")
-            else:
-                _expect(value, (str, int, float, bool), what, src, "a string, number or boolean, or a list of them")
-        out[fig] = dict(table)
-    return out
 
 
 def expand(spec: Spec) -> list[Cell]:
