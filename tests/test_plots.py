@@ -90,9 +90,9 @@ def test_sweep_directory_gives_every_figure_and_captions(tmp_path):
     root = write_sweep(tmp_path / "sweep", target={"loss": 3.0, "metric": "eval_loss", "smoothing": 0.9,
                                                    "bandwidths": ["100mbit", "10gbit"]})
     rep = make_report(root)
-    # every figure but policy (--compressor auto runs: tests/test_auto_train.py) and downstream_vs_bytes
-    # ([downstream] sweeps: tests/test_downstream.py)
-    assert {d.name for d in rep.figures} == set(FIGURES) - {"policy", "downstream_vs_bytes"}, rep.skipped
+    # every figure but policy (--compressor auto runs: tests/test_auto_train.py), downstream_vs_bytes
+    # ([downstream] sweeps: tests/test_downstream.py) and delta_ci (seed groups: tests/test_paired.py)
+    assert {d.name for d in rep.figures} == set(FIGURES) - {"policy", "downstream_vs_bytes", "delta_ci"}, rep.skipped
     for d in rep.figures:
         png, pdf = (next(p for p in d.paths if p.suffix == s) for s in (".png", ".pdf"))
         assert_image(png)

@@ -105,7 +105,8 @@ def test_results_table_aggregates_seeds(tmp_path):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
             for line in md.splitlines() if line.startswith("| `")}
     header = [c.strip() for c in md.splitlines()[0].split("|")[1:-1]]
-    assert header[:6] == ["compressor", "seeds", "final eval loss", "Δ vs none", "MLM loss", "MLM acc"]
+    assert header[:9] == ["compressor", "seeds", "final eval loss", "Δ vs none", "Δ per seed", "Δ mean [95% CI]",
+                          "verdict", "MLM loss", "MLM acc"]  # the paired columns: tests/test_paired.py
     assert rows["`none`"][1:4] == ["3", "7.1 (7–7.2)", "baseline"]
     assert rows["`topk`"][2:4] == ["7.55 (7.5–7.6)", "+0.4500 (> spread 0.2000)"]
     assert rows["`fp16`"][2:4] == ["7.05", "-0.0500 (within spread 0.2000)"]

@@ -345,6 +345,25 @@ def _load_hf(spec: str, root: Path, progress: bool) -> Corpus:
                                         f"Hugging Face dataset {name} ({config or 'default'}, {split})"), final)
 
 
+def _load_wordnet(spec: str, root: Path) -> Corpus:
+    """``wordnet[:DIR]``: WordNet's glosses as English prose (:mod:`gradzip.data.wordnet`), without
+    the glosses of the WordNet task's validation split."""
+    from gradzip.data import wordnet  # the corpus module stays free of it for the harvest workers
+
+    directory = wordnet.wordnet_dir(spec.partition(":")[2] or None)
+    st = (directory / "data.noun").stat()
+    key = hashlib.sha256(f"wordnet{CORPUS_FORMAT}\n{directory.resolve()}\n{st.st_size}\n{st.st_mtime_ns}\n"
+                         f"{wordnet.VALIDATION_PERCENT}\n{wordnet.SYNSETS_PER_DOC}".encode()).hexdigest()
+    final = root / "corpora" / f"wordnet-{key[:12]}"
+    with locked(root / "locks" / f"{final.name}.lock"):
+        if (final / "meta.json").exists():
+            return Corpus.open(final)
+        with staging(final) as tmp:
+            return _finish(write_corpus(tmp, wordnet.corpus_documents(directory), spec,
+                                        f"WordNet glosses from {directory} (the WordNet task's validation glosses "
+                                        "left out)"), final)
+
+
 def _finish(corpus: Corpus, final: Path) -> Corpus:
     """The corpus as it will be after the staging directory is renamed."""
     return Corpus(corpus.source, final, corpus.fingerprint, corpus.num_docs, corpus.num_sentences,
@@ -356,7 +375,8 @@ def _finish(corpus: Corpus, final: Path) -> Corpus:
 
 def load_corpus(spec: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
                 progress: bool = True) -> Corpus:
-    """The normalised, cached corpus for ``spec`` (None, a path, or ``hf:NAME[:CONFIG[:SPLIT]]``),
+    """The normalised, cached corpus for ``spec`` (None, a path, ``hf:NAME[:CONFIG[:SPLIT]]`` or
+    ``wordnet[:DIR]``),
     built on first use. Bad input raises :class:`GradzipError` before anything is cached."""
     root = cache_root(cache_dir)
     progress = progress_enabled(progress)
@@ -364,6 +384,8 @@ def load_corpus(spec: str | os.PathLike | None = None, cache_dir: str | os.PathL
         return default_corpus(root, progress)
     if isinstance(spec, str) and spec.startswith("hf:"):
         return _load_hf(spec, root, progress)
+    if isinstance(spec, str) and (spec == "wordnet" or spec.startswith("wordnet:")):
+        return _load_wordnet(spec, root)
     path = Path(spec).expanduser()
     files = corpus_files(path)
     key = _path_key(path, files)

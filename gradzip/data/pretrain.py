@@ -168,6 +168,10 @@ class PretrainData:
         counts[special] = 0
         return UnigramReference.from_counts(counts, int(self.vocab_size - np.unique(special).size))
 
+    def optimal_mlm_loss(self, batch_size: int = 32, max_batches: int | None = None) -> float | None:
+        """The best possible held-out loss: unknown for real text (a generated language knows it)."""
+        return None
+
     def _set(self, split: str) -> ExampleSet:
         if split not in _SPLITS:
             raise GradzipError(f"unknown split {split!r}; use 'train' or 'eval'")

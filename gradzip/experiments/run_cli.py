@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return sweep.dry_run(spec, out)
     print(f"gradzip run {spec.name}: {spec.description}\n{len(spec.cells)} cells into {out}", flush=True)
-    command = f"gradzip run {spec.name}" + (f" --out {args.out}" if args.out else "")
-    results = sweep.run_sweep(spec, out, in_process=args.in_process, command=command)
+    command = f"gradzip run {spec.name}" + (f" --out {args.out}" if args.out else "") \
+        + (f" --jobs {args.jobs}" if args.jobs != 1 else "")
+    results = sweep.run_sweep(spec, out, in_process=args.in_process, command=command, jobs=args.jobs)
     return sweep.finish(out, results, plot=not args.no_plot)

@@ -11,7 +11,7 @@ Layout of the sweep directory (default ``runs/<spec name>``)::
     logs/stale/           earlier attempts that could not be resumed, moved aside (never deleted)
     results.md/.csv, figures/    written at the end (``gradzip plot``), unless --no-plot
 
-Cells run one after the other. Each cell is, in order:
+Cells run one after the other (``--jobs N``: N at once, as child processes). Each cell is, in order:
 
 1. *finished* (``summary.json`` present and its ``steps`` equal to the cell's ``steps``): skipped;
 2. *interrupted* (a checkpoint is present): resumed (``gradzip train --resume``);
@@ -49,6 +49,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ from gradzip.training.config import TrainConfig, load_toml, write_toml
 from gradzip.training.loop import train
 
 TAIL_CHARS = 20_000  # end of a failed cell's output kept in error.txt
+_CHILDREN: set[subprocess.Popen] = set()  # the cells' running child processes
 
 
 @dataclass
@@ -151,6 +153,7 @@ def _run_subprocess(cmd: list[str], log_path: Path, echo: bool) -> tuple[int, st
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         assert proc.stdout is not None
+        _CHILDREN.add(proc)
 
         def pump() -> None:
             # Chunks, not lines: progress bars redraw with '\r' and would otherwise stall.
@@ -180,8 +183,20 @@ def _run_subprocess(cmd: list[str], log_path: Path, echo: bool) -> tuple[int, st
                 proc.kill()
             raise
         finally:
+            _CHILDREN.discard(proc)
             t.join(timeout=10)
     return code, bytes(tail[-TAIL_CHARS:]).decode("utf-8", "replace")
+
+
+def _stop_children() -> None:
+    """Terminate every running cell's child (``--jobs``: the interrupt reaches the main thread only)."""
+    for proc in list(_CHILDREN):
+        proc.terminate()
+    for proc in list(_CHILDREN):
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def run_cell(cell: Cell, sweep_dir: Path, in_process: bool, main: bool = True, echo: bool = True) -> CellResult:
@@ -249,11 +264,14 @@ def default_out(spec: Spec) -> Path:
 
 
 def run_sweep(spec: Spec, out: Path, in_process: bool | None = None, echo: bool = True,
-              command: str | None = None) -> list[CellResult]:
+              command: str | None = None, jobs: int = 1) -> list[CellResult]:
     """Run every cell of ``spec`` into ``out`` (see the module docstring); writes ``sweep.json``.
 
     ``command`` is recorded there (and shown with the figures) as the command that made the sweep.
+    ``jobs``: cells run at once (child processes only; e.g. 2 one-thread runs on 2 cores).
     """
+    if jobs < 1:
+        raise GradzipError(f"--jobs must be >= 1, got {jobs}")
     rank = launcher_rank()
     if rank is not None:
         sims = [c.name for c in spec.cells if c.config.get("backend", "sim") == "sim"]
@@ -274,6 +292,9 @@ def run_sweep(spec: Spec, out: Path, in_process: bool | None = None, echo: bool 
                                "starts itself; drop --in-process (or start the sweep under torchrun/mpirun/srun)")
     main = rank in (None, 0)
     in_process = bool(in_process)
+    if jobs > 1 and in_process:
+        raise GradzipError("--jobs runs cells as child processes; drop --in-process (or --jobs), and start the "
+                           "sweep without torchrun/mpirun/srun")
     if out.exists() and not out.is_dir():
         raise GradzipError(f"--out {out} exists and is not a directory; choose another --out")
     results = [CellResult(c.name, c.params) for c in spec.cells]
@@ -292,7 +313,7 @@ def run_sweep(spec: Spec, out: Path, in_process: bool | None = None, echo: bool 
             shutil.copyfile(spec.path, out / "spec.toml")
         save()
     with _terminate_as_exit():
-        _run_cells(spec, out, in_process, main, echo, results, save)
+        _run_cells(spec, out, in_process, main, echo, results, save, jobs)
     state["finished"] = time.time()
     save()
     return results
@@ -317,24 +338,52 @@ def _terminate_as_exit() -> Iterator[None]:
 
 
 def _run_cells(spec: Spec, out: Path, in_process: bool, main: bool, echo: bool, results: list[CellResult],
-               save: Any) -> None:
+               save: Any, jobs: int = 1) -> None:
+    """Every cell in spec order; with ``jobs`` > 1 (child processes only) that many at once, each
+    child's output going to its log alone."""
     n = len(spec.cells)
-    for i, cell in enumerate(spec.cells):
-        if main:
-            print(f"[{i + 1}/{n}] {cell.name}", flush=True)
-        results[i].status = "running"
-        save()
-        results[i] = run_cell(cell, out, in_process, main=main, echo=echo)
-        r = results[i]
-        if main:
-            note = {"skipped": "already finished, skipped", "done": f"done in {r.seconds:.1f} s"
-                    + (" (resumed)" if r.resumed else ""), "failed": f"FAILED: {r.error}"}[r.status]
-            print(f"[{i + 1}/{n}] {cell.name}: {note}", flush=True)
+    lock = threading.Lock()  # results, sweep.json and the progress lines are shared by the threads
+    echo = echo and jobs == 1
+
+    stop = threading.Event()  # set on an interrupt: no further cell starts
+
+    def one(i: int) -> None:
+        cell = spec.cells[i]
+        if stop.is_set():
+            return
+        with lock:
+            if main:
+                print(f"[{i + 1}/{n}] {cell.name}", flush=True)
+            results[i].status = "running"
+            save()
+        r = run_cell(cell, out, in_process, main=main, echo=echo)
+        with lock:
+            results[i] = r
+            if main:
+                note = {"skipped": "already finished, skipped", "done": f"done in {r.seconds:.1f} s"
+                        + (" (resumed)" if r.resumed else ""), "failed": f"FAILED: {r.error}"}[r.status]
+                print(f"[{i + 1}/{n}] {cell.name}: {note}", flush=True)
         if main and spec.downstream is not None and r.status in ("done", "skipped"):
             err = downstream_step(out / cell.name, cell.config, spec.downstream, echo)
             if err:
                 print(f"[{i + 1}/{n}] {cell.name}: downstream FAILED: {err}", flush=True)
-        save()
+        with lock:
+            save()
+
+    if jobs == 1:
+        for i in range(n):
+            one(i)
+        return
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        for f in [pool.submit(one, i) for i in range(n)]:
+            f.result()
+    except BaseException:  # Ctrl-C or SIGTERM: stop the running cells too, start no more
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        _stop_children()
+        raise
+    pool.shutdown()
 
 
 def summary_table(results: list[CellResult]) -> str:
@@ -381,6 +430,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="sweep directory (default: runs/<spec name>)")
     parser.add_argument("--in-process", action="store_true",
                         help="run cells in this process instead of one child process each")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="cells run at once, as child processes (default 1); with OMP_NUM_THREADS=1, "
+                             "one per core")
     parser.add_argument("--no-plot", action="store_true", help="do not draw figures and tables at the end")
     parser.add_argument("--dry-run", action="store_true", help="list the cells and their directories, run nothing")
 
@@ -398,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out(spec)
     if args.dry_run:
         return dry_run(spec, out)
-    command = f"gradzip sweep {args.spec}" + (f" --out {args.out}" if args.out else "")
-    results = run_sweep(spec, out, in_process=args.in_process, command=command)
+    command = f"gradzip sweep {args.spec}" + (f" --out {args.out}" if args.out else "") \
+        + (f" --jobs {args.jobs}" if args.jobs != 1 else "")
+    results = run_sweep(spec, out, in_process=args.in_process, command=command, jobs=args.jobs)
     return finish(out, results, plot=not args.no_plot)

@@ -12,7 +12,8 @@ communication from the α–β cost model) or *measured* (real backends), from t
 
 This module is the registry (:data:`DRAW`); the figures live by topic in :mod:`~gradzip.plots.loss`,
 :mod:`~gradzip.plots.cost`, :mod:`~gradzip.plots.schedule`, :mod:`~gradzip.plots.scale`,
-:mod:`~gradzip.plots.lowcomm` and :mod:`~gradzip.plots.metric_figures` (any metrics.jsonl field).
+:mod:`~gradzip.plots.lowcomm`, :mod:`~gradzip.plots.paired_figure` and
+:mod:`~gradzip.plots.metric_figures` (any metrics.jsonl field).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from gradzip.plots.grouping import Skip
 from gradzip.plots.loss import fig_loss_steps, fig_loss_time, fig_loss_vs_ratio
 from gradzip.plots.lowcomm import fig_loss_vs_bytes, fig_time_to_target
 from gradzip.plots.metric_figures import fig_metric
+from gradzip.plots.paired_figure import NotPaired, fig_delta_ci
 from gradzip.plots.policy import fig_policy
 from gradzip.plots.results import DEFAULT_METRIC_FIGURES, Collection, LossTarget, describe_where
 from gradzip.plots.scale import fig_bytes_workers, fig_throughput_workers
@@ -53,6 +55,7 @@ DRAW: dict[str, Callable[..., Any]] = {
     "time_to_target": fig_time_to_target,
     "policy": fig_policy,
     "downstream_vs_bytes": fig_downstream_vs_bytes,
+    "delta_ci": fig_delta_ci,
 }
 
 
@@ -86,7 +89,8 @@ def draw_all(col: Collection, out_dir: Path, figures: list[str] | None = None,
             draw = DRAW.get(name) or functools.partial(fig_metric, name)
             fig, auto = draw(sub, pal, target)
         except Skip as e:
-            skipped.append((name, str(e)))
+            if not (isinstance(e, NotPaired) and not figures):  # drawn by default only where it applies
+                skipped.append((name, str(e)))
             continue
         caption = auto
         if (captions or {}).get(name):

@@ -40,6 +40,7 @@ FIGURES: dict[str, str] = {
     "time_to_target": "modelled time to the target loss at the [target] bandwidths, per configuration",
     "policy": "--compressor auto: the share of elements per candidate over the run, on the measured link rate",
     "downstream_vs_bytes": "fine-tuned accuracy against bytes sent per worker in pretraining ([downstream] sweeps)",
+    "delta_ci": "paired Δ final eval loss vs none per configuration, with its 95% t interval (seed groups)",
 }
 
 # metrics.jsonl fields that a figure can put on its y axis, as ``<field>_steps`` (against optimizer
@@ -55,6 +56,7 @@ METRICS: dict[str, str] = {
     "eval_loss": "held-out MLM + NSP loss (nats)", "eval_mlm_loss": "held-out masked-LM loss (nats)",
     "eval_nsp_loss": "held-out next-sentence loss (nats)", "eval_mlm_acc": "masked-token accuracy (top-1)",
     "eval_nsp_acc": "next-sentence accuracy",
+    "eval_excess_loss": "held-out masked-LM loss above the optimum (nats)",
 }
 # Drawn by default besides FIGURES, when the runs have the metric.
 DEFAULT_METRIC_FIGURES = ("eval_mlm_loss_steps", "eval_mlm_acc_steps")
@@ -89,10 +91,16 @@ def reference(runs: list[Run], metric: str) -> list[tuple[float, str]]:
     BERT's unchanged and random masked positions is worth); [] when unknown."""
     h, floor = _mean_of(runs, "unigram_entropy"), _mean_of(runs, "context_free_mlm_loss")
     top, floor_acc = _mean_of(runs, "top_token_rate"), _mean_of(runs, "context_free_mlm_acc")
+    opt = _mean_of(runs, "optimal_mlm_loss")  # a generated language's exact optimum
     out: list[tuple[float, str]] = []
+    if metric == "eval_mlm_loss" and opt is not None:
+        out.append((opt, f"Bayes-optimal loss {opt:.2f}"))
+    if metric == "eval_excess_loss" and opt is not None and h is not None:
+        return [(0.0, "the optimum"), (h - opt, f"unigram entropy H = optimum + {h - opt:.2f}")]
     if metric in ("mlm_loss", "eval_mlm_loss"):
         out += [(h, f"unigram entropy H = {h:.2f} (no context)")] if h is not None else []
-        out += [(floor, f"context-free floor {floor:.2f} (H, less copying the input token)")] if floor else []
+        if floor and floor != h:  # [MASK]-only masking (a generated language): the floor is H
+            out.append((floor, f"context-free floor {floor:.2f} (H, less copying the input token)"))
     elif metric in ("loss", "eval_loss"):
         out += [(h + math.log(2), f"unigram plateau H + ln 2 = {h + math.log(2):.2f}")] if h is not None else []
         out += [(floor + math.log(2), f"context-free floor + ln 2 = {floor + math.log(2):.2f}")] if floor else []

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from gradzip.plots.paired import NOTE as PAIRED_NOTE
+from gradzip.plots.paired import Paired, interval_text, paired_diffs, per_seed_text, verdict_text
 from gradzip.plots.results import Collection, LossTarget, Run, _hashable
 from gradzip.plots.retime import bandwidth_columns, time_to_target_at
 from gradzip.plots.seeds import Stat, exceeds_spread, spread_of, stat
@@ -43,6 +45,24 @@ def run_groups(col: Collection) -> list[list[Run]]:
     for r in col.runs:
         groups.setdefault((r.compressor, *(_hashable(r.value(k)) for k in vary)), []).append(r)
     return list(groups.values())
+
+
+def baseline_group(g: list[Run], groups: list[list[Run]], others: list[str]) -> int | None:
+    """Index in ``groups`` of the ``none`` group whose ``others`` parameters equal ``g``'s."""
+    return next((i for i, b in enumerate(groups) if b[0].compressor_family == "none"
+                 and all(_hashable(b[0].value(k)) == _hashable(g[0].value(k)) for k in others)), None)
+
+
+def paired_vs_none(col: Collection) -> list[tuple[list[Run], Paired | None]]:
+    """Each seed group with its paired Δ vs none (:mod:`gradzip.plots.paired`); None for ``none``
+    groups and groups without a ``none`` group of otherwise equal parameters."""
+    groups = run_groups(col)
+    others = [k for k in col.varying() if k not in ("seed", "compressor")]
+    out: list[tuple[list[Run], Paired | None]] = []
+    for g in groups:
+        bi = baseline_group(g, groups, others)
+        out.append((g, None if bi is None or g[0].compressor_family == "none" else paired_diffs(g, groups[bi])))
+    return out
 
 
 @dataclass
@@ -79,7 +99,10 @@ def results_rows(col: Collection, target: LossTarget | None = None) -> tuple[lis
             if any((r.summary or {}).get(k) is not None for r in col.runs)]
     if accs:  # runs that report accuracies report the masked-LM part of the loss too
         accs.insert(0, "final_eval_mlm_loss")
-    numbers = ["final_eval_loss", "delta_vs_none", *accs]
+    if any((r.summary or {}).get("final_eval_excess_loss") is not None for r in col.runs):
+        accs.insert(1 if accs else 0, "final_eval_excess_loss")  # generated languages: next to MLM loss
+    paired = ["delta_per_seed", "delta_paired", "verdict"] if seeded else []
+    numbers = ["final_eval_loss", "delta_vs_none", *paired, *accs]
     if target:
         numbers += ["steps_to_target", "time_to_target_s", *(name for name, _ in bandwidth_columns(target.bandwidths))]
     numbers += ["clock", "mb_per_step", "compression_ratio", "samples_per_s"]
@@ -100,11 +123,15 @@ def results_rows(col: Collection, target: LossTarget | None = None) -> tuple[lis
         stats.append({k: stat([d[k] for d in per_run]) for k in per_run[0]})
     rows = []
     others = [k for k in col.varying() if k not in ("seed", "compressor")]
-    for g, st in zip(groups, stats):
+    for (g, p), st in zip(paired_vs_none(col), stats):
         first = g[0]
-        base = next((st_b for g_b, st_b in zip(groups, stats) if g_b[0].compressor_family == "none"
-                     and all(_hashable(g_b[0].value(k)) == _hashable(first.value(k)) for k in others)), None)
+        bi = baseline_group(g, groups, others)
+        base = None if bi is None else stats[bi]
         d: dict[str, Any] = dict(st)
+        # The paired columns hold the Paired itself (each column shows its part); "baseline" for none.
+        d.update(delta_per_seed=p, delta_paired=p, verdict=p)
+        if bi is not None and first.compressor_family == "none":
+            d["verdict"] = "baseline"
         a, b = st["final_eval_loss"], base["final_eval_loss"] if base else None
         d["delta_vs_none"] = (Delta(a.mean - b.mean, exceeds_spread(a, b), spread_of(a, b))
                               if b is not None and a.mean is not None and b.mean is not None else None)
@@ -116,11 +143,18 @@ def results_rows(col: Collection, target: LossTarget | None = None) -> tuple[lis
 _TITLES = {
     "run": "run", "compressor": "compressor", "final_eval_loss": "final eval loss",
     "delta_vs_none": "Δ vs none", "final_eval_mlm_loss": "MLM loss", "final_eval_mlm_acc": "MLM acc",
-    "final_eval_nsp_acc": "NSP acc",
+    "final_eval_nsp_acc": "NSP acc", "final_eval_excess_loss": "excess loss",
+    "delta_per_seed": "Δ per seed", "delta_paired": "Δ mean [95% CI]", "verdict": "verdict",
     "steps_to_target": "steps to target", "time_to_target_s": "time to target (s)",
     "clock": "clock", "mb_per_step": "MB/step", "seeds": "seeds", "compression_ratio": "compression ×",
     "samples_per_s": "samples/s",
 }
+
+
+_RIGHT = {"delta_vs_none", "delta_per_seed", "delta_paired"}  # numbers in text cells, right-aligned
+# The paired columns' CSV fields (the per-seed differences are in results.md only).
+PAIRED_CSV = {"delta_per_seed": [], "delta_paired": ["delta_paired_mean", "delta_paired_lo", "delta_paired_hi",
+                                                     "delta_paired_n"], "verdict": ["verdict"]}
 
 
 def _title(h: str) -> str:
@@ -135,6 +169,8 @@ def _cell(h: str, v: Any, compressor: str) -> str:
         return "baseline"
     if v is None:
         return "—"
+    if isinstance(v, Paired):
+        return {"delta_per_seed": per_seed_text, "delta_paired": interval_text}.get(h, verdict_text)(v)
     if isinstance(v, Delta):
         if v.value is None:
             return "—"
@@ -166,7 +202,7 @@ def results_markdown(col: Collection, target: LossTarget | None = None) -> str:
         return bool(vals) and all(isinstance(v, (int, float, Stat, Delta)) and not isinstance(v, bool) for v in vals)
 
     lines = ["| " + " | ".join(_title(header[i]) for i in idx) + " |",
-             "|" + "|".join("---:" if numeric(i) or header[i] == "delta_vs_none" else "---" for i in idx) + "|"]
+             "|" + "|".join("---:" if numeric(i) or header[i] in _RIGHT else "---" for i in idx) + "|"]
     ci = header.index("compressor")
     for row in rows:
         lines.append("| " + " | ".join(_cell(header[i], row[i], str(row[ci])) for i in idx) + " |")
@@ -184,6 +220,10 @@ def results_markdown(col: Collection, target: LossTarget | None = None) -> str:
         notes.append("Runs that differ only by seed are one row: the mean, with the min–max range for 2–3 seeds or "
                      "± the standard deviation for 4 or more; Δ vs none is the difference of the means, marked "
                      "> spread when it is larger than the wider min–max range of the two rows' seeds.")
+        notes.append(PAIRED_NOTE)
+    if "final_eval_excess_loss" in header:
+        notes.append("excess loss: the held-out masked-LM loss above the exact optimum of the generated language "
+                     "the runs trained on (summary.json's final_eval_excess_loss; 0 is a perfect model).")
     if target:
         what = "eval loss" if target.metric == "eval_loss" else f"training loss (EMA {target.smoothing:g})"
         notes.append(f"Target: {what} ≤ {target.loss:g}; time is cumulative on each run's clock (— = not reached).")
@@ -197,10 +237,15 @@ def results_markdown(col: Collection, target: LossTarget | None = None) -> str:
 
 def results_csv(col: Collection, target: LossTarget | None = None) -> str:
     """The table as CSV: a seed group's number ``x`` becomes ``x`` (the mean), ``x_std``, ``x_min``,
-    ``x_max``; its Δ vs none adds ``delta_exceeds_spread``."""
+    ``x_max``; its Δ vs none adds ``delta_exceeds_spread``; its paired Δ vs none is
+    ``delta_paired_mean``, ``_lo``, ``_hi`` (the 95% t interval), ``_n`` (seeds paired) and
+    ``verdict`` (worse, better, within noise, baseline; empty under 2 paired seeds)."""
     header, rows = results_rows(col, target)
     out_header: list[str] = []
     for i, h in enumerate(header):
+        if h in PAIRED_CSV:
+            out_header += PAIRED_CSV[h]
+            continue
         out_header.append(h)
         if any(isinstance(row[i], Stat) for row in rows):
             out_header += [f"{h}_std", f"{h}_min", f"{h}_max"]
@@ -216,7 +261,14 @@ def results_csv(col: Collection, target: LossTarget | None = None) -> str:
     for row in rows:
         cells: list[Any] = []
         for i, v in enumerate(row):
-            if any(isinstance(r[i], Stat) for r in rows):
+            if header[i] == "delta_paired":
+                p = v if isinstance(v, Paired) else None
+                cells += [text(p.mean), text(p.lo), text(p.hi), p.n] if p else ["", "", "", ""]
+            elif header[i] == "verdict":
+                cells.append(v.verdict if isinstance(v, Paired) and v.n >= 2 else v if isinstance(v, str) else "")
+            elif header[i] in PAIRED_CSV:
+                continue  # the per-seed differences: in results.md only
+            elif any(isinstance(r[i], Stat) for r in rows):
                 v = v if isinstance(v, Stat) else stat([])
                 cells += [text(v.mean), text(v.std), text(v.lo), text(v.hi)]
             elif any(isinstance(r[i], Delta) for r in rows):

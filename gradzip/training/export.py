@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from gradzip.data import WordPieceTokenizer, get_tokenizer, load_corpus
+from gradzip.data.generated import is_generated, word_tokenizer
+from gradzip.data.hmm import HMMSpec
 from gradzip.errors import GradzipError
 from gradzip.io import read_jsonl
 from gradzip.models import BertConfig, bert_config, parameter_shapes
@@ -205,6 +207,8 @@ def run_tokenizer(train_cfg: TrainConfig, vocab_size: int) -> WordPieceTokenizer
     try:
         if train_cfg.tokenizer:
             tok = WordPieceTokenizer.from_file(train_cfg.tokenizer)
+        elif is_generated(train_cfg.corpus):  # the calibrated tier's words w0, w1, ...
+            tok = word_tokenizer(HMMSpec.parse(str(train_cfg.corpus)).words)
         else:
             asked = train_cfg.vocab_size or bert_config(train_cfg.model).vocab_size  # as the training runtime asks
             tok = get_tokenizer(load_corpus(train_cfg.corpus, progress=False), vocab_size=asked, progress=False)

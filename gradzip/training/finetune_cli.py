@@ -1,7 +1,8 @@
 """``gradzip finetune CHECKPOINT --train FILE --validation FILE --out DIR``: sequence
 classification on top of a run's checkpoint or an exported model
 (:func:`gradzip.training.finetune.finetune`); ``gradzip finetune --make-synthetic DIR`` writes the
-synthetic keyword task (:mod:`gradzip.data.synthetic_cls`). Bad input is one line, exit code 2,
+synthetic keyword task (:mod:`gradzip.data.synthetic_cls`) and ``--make-wordnet DIR`` the WordNet
+task (:mod:`gradzip.data.wordnet`). Bad input is one line, exit code 2,
 and nothing is written."""
 
 from __future__ import annotations
@@ -48,16 +49,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "BertForSequenceClassification directory (default: on)")
     parser.add_argument("--make-synthetic", metavar="DIR", default=None,
                         help="instead: write the synthetic keyword task (train.jsonl, validation.jsonl) to DIR")
+    parser.add_argument("--make-wordnet", metavar="DIR", default=None,
+                        help="instead: write the WordNet task (noun glosses labelled with their lexicographer "
+                             "class, 26 classes; no synset in both splits) to DIR; needs `apt-get install "
+                             "wordnet-base` (or GRADZIP_WORDNET=DIR)")
     parser.add_argument("--corpus", metavar="SPEC", default=None,
                         help="--make-synthetic: the corpus whose sentences it uses (default: the built-in one)")
-    parser.add_argument("--examples", type=int, nargs=2, default=(1000, 500), metavar=("TRAIN", "VALIDATION"),
-                        help="--make-synthetic: number of train and validation examples (default 1000 500)")
+    parser.add_argument("--examples", type=int, nargs=2, default=None, metavar=("TRAIN", "VALIDATION"),
+                        help="--make-synthetic/--make-wordnet: number of train and validation examples (default "
+                             "1000 500 for --make-synthetic, every synset of each split for --make-wordnet)")
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `gradzip --help` builds every sub-command's parser and should not load torch for it.
+    if args.make_synthetic is not None and args.make_wordnet is not None:
+        raise GradzipError("give one of --make-synthetic DIR and --make-wordnet DIR")
     if args.make_synthetic is not None:
         return _make_synthetic(args)
+    if args.make_wordnet is not None:
+        return _make_wordnet(args)
     missing = [flag for flag, v in (("CHECKPOINT", args.checkpoint), ("--train", args.train),
                                     ("--validation", args.validation), ("--out", args.out)) if not v]
     if missing:
@@ -89,8 +99,24 @@ def _make_synthetic(args: argparse.Namespace) -> int:
     from gradzip.data.synthetic_cls import check_task_dir, write_keyword_task
 
     check_task_dir(Path(args.make_synthetic))  # before the corpus, which may take minutes to build
-    n_train, n_val = args.examples
+    n_train, n_val = args.examples or (1000, 500)
     train, val = write_keyword_task(args.make_synthetic, load_corpus(args.corpus), n_train, n_val, args.seed)
     print(f"gradzip finetune: wrote {train} ({n_train} examples) and {val} ({n_val}); label 1 iff one of the "
           "keywords was inserted (see gradzip.data.synthetic_cls)")
+    return 0
+
+
+def _make_wordnet(args: argparse.Namespace) -> int:
+    if args.checkpoint or args.train or args.validation or args.out or args.corpus:
+        raise GradzipError("--make-wordnet DIR writes a data set and fine-tunes nothing: give it alone "
+                           "(optionally with --examples, --seed)")
+    from gradzip.data.wordnet import check_task_dir, wordnet_dir, write_wordnet_task
+
+    check_task_dir(Path(args.make_wordnet))
+    wordnet_dir()  # installed? (one line with the install command if not)
+    n_train, n_val = args.examples or (None, None)
+    train, val = write_wordnet_task(args.make_wordnet, n_train, n_val, args.seed)
+    counts = [sum(1 for _ in open(p, encoding="utf-8")) for p in (train, val)]
+    print(f"gradzip finetune: wrote {train} ({counts[0]} examples) and {val} ({counts[1]}); text: a noun synset's "
+          "gloss, label: its lexicographer class (see gradzip.data.wordnet)")
     return 0

@@ -61,7 +61,7 @@ from gradzip.training.sync import Stepper, make_synchronizer
 
 __all__ = ["TrainConfig", "train"]
 
-EVAL_FIELDS = ("eval_loss", "eval_mlm_loss", "eval_nsp_loss", "eval_mlm_acc", "eval_nsp_acc")
+EVAL_FIELDS = ("eval_loss", "eval_mlm_loss", "eval_nsp_loss", "eval_mlm_acc", "eval_nsp_acc", "eval_excess_loss")
 
 
 def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runtime: Any, step: int, w: int,
@@ -80,7 +80,8 @@ def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runt
             with precision.autocast():
                 res = model(**to_device(batch, runtime.device))
             precision.backward(res.loss / cfg.accumulation)
-        losses += torch.stack([res.loss, res.mlm_loss, res.nsp_loss]).detach().double() / cfg.accumulation
+        nsp = res.nsp_loss if res.nsp_loss is not None else torch.zeros_like(res.loss)  # masked LM alone
+        losses += torch.stack([res.loss, res.mlm_loss, nsp]).detach().double() / cfg.accumulation
     return tokens, samples
 
 
@@ -194,7 +195,8 @@ def _summary(cfg: TrainConfig, out: Any, sync: Synchronizer, data: Any, n_params
     # what a model that ignores context gets (gradzip.data.pretrain.UnigramReference)
     ref = data.unigram_reference()
     info.update(unigram_entropy=ref.entropy, top_token_rate=ref.top_rate, context_free_mlm_loss=ref.floor,
-                context_free_mlm_acc=ref.floor_acc)
+                context_free_mlm_acc=ref.floor_acc,
+                optimal_mlm_loss=data.optimal_mlm_loss(batch_size=cfg.batch_size, max_batches=cfg.eval_batches))
     info.update(getattr(sync, "summary", dict)())  # --compressor auto: its plans and choice
     none_bytes = fp32_reduction_bytes(n_params, cfg.sharding, runtime.num_workers, cfg.ranks_per_node)
     summary = summarize(read_metrics(out / "metrics.jsonl"), info, none_bytes)

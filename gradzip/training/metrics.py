@@ -37,7 +37,9 @@ bytes_allgather  ``--fsdp``/``--hsdp`` only: ``bytes_sent`` split by collective:
                FSDP's exact one inside the node); ``bytes_allreduce`` (HSDP: gradzip's compressed
                all-reduce across the replicas, which is also ``bytes_inter``)
 eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``), masked-token
-               accuracy ``eval_mlm_acc`` (top-1 over the masked positions) and ``eval_nsp_acc``
+               accuracy ``eval_mlm_acc`` (top-1 over the masked positions) and ``eval_nsp_acc``;
+               on a generated language (``--corpus hmm``) also ``eval_excess_loss``, the masked-LM
+               loss above the Bayes-optimal loss of the same held-out batches
 =============  =========================================================================
 
 :class:`StepRecord` is that record, typed; the loop fills one per step.
@@ -103,6 +105,7 @@ class StepRecord:
     eval_nsp_loss: float | None = None
     eval_mlm_acc: float | None = None
     eval_nsp_acc: float | None = None
+    eval_excess_loss: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object; the eval fields only on steps that evaluated, the per-collective bytes
@@ -185,6 +188,7 @@ def summarize(records: list[dict[str, Any]], info: dict[str, Any], uncompressed_
         "final_eval_mlm_loss": evals[-1].get("eval_mlm_loss") if evals else None,
         "final_eval_mlm_acc": evals[-1].get("eval_mlm_acc") if evals else None,
         "final_eval_nsp_acc": evals[-1].get("eval_nsp_acc") if evals else None,
+        "final_eval_excess_loss": evals[-1].get("eval_excess_loss") if evals else None,
         "steps": int(last.get("step", 0)),
         "tokens": tokens,
         "samples": int(last.get("samples", 0)),

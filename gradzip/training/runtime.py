@@ -18,6 +18,7 @@ import torch
 from gradzip.comm import init_communicator
 from gradzip.comm.sim import SimWorld, set_work_scale
 from gradzip.data import PretrainData
+from gradzip.data.generated import GeneratedData, is_generated
 from gradzip.host import HostMonitor, busy_elsewhere, choose_threads, usable_cores
 from gradzip.models import bert_config
 from gradzip.training.config import TrainConfig
@@ -183,6 +184,8 @@ def build_data(cfg: TrainConfig, runtime: Runtime) -> Any:
     """The data pipeline. Every rank calls it at once: the cache builders hold inter-process
     locks, so one process builds and the others wait on the lock and then load (no collective,
     so a long first build cannot hit the communicator's timeout)."""
+    if is_generated(cfg.corpus):  # the calibrated tier: its vocabulary is the language's
+        return GeneratedData.build(cfg.corpus, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     vocab = cfg.vocab_size or bert_config(cfg.model).vocab_size  # the model size's default vocabulary
     return PretrainData.build(corpus=cfg.corpus, seq_len=cfg.seq_len, vocab_size=vocab, seed=cfg.seed,
                               progress=cfg.progress and runtime.is_main, tokenizer=cfg.tokenizer)
