@@ -159,3 +159,25 @@ def test_training_reports_the_excess_loss(tmp_path) -> None:
 
     tok = BertTokenizerFast.from_pretrained(tmp_path / "hf")
     assert tok("w3 w17", add_special_tokens=False)["input_ids"] == [8, 22]
+
+
+def test_a_seed_pairs_runs_across_compressors(tmp_path) -> None:
+    """The same seed gives every compressor the same initial weights and the same batches: the
+    initial held-out loss and the first step's training loss (computed before any exchange) are
+    equal bit for bit; another seed changes both."""
+    import json
+
+    from gradzip.training.config import TrainConfig
+    from gradzip.training.loop import train
+
+    def run(compressor: str, seed: int) -> tuple[float, float]:
+        out = tmp_path / f"{compressor.split(':')[0]}-{seed}"
+        train(TrainConfig(corpus="hmm:states=4,words=60", model="bert-tiny", backend="sim", workers=2, seq_len=16,
+                          batch_size=4, steps=2, eval_every=0, eval_batches=2, checkpoint_every=0, lr=2e-3,
+                          warmup=1, progress=False, compressor=compressor, seed=seed, out=str(out)))
+        first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        return json.loads((out / "summary.json").read_text())["initial_eval_loss"], first["loss"]
+
+    a, b, c = run("none", 3), run("topk:ratio=0.1,ef=true", 3), run("none", 4)
+    assert a == b
+    assert a[0] != c[0] and a[1] != c[1]

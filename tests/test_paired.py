@@ -198,3 +198,34 @@ def test_delta_ci_without_seed_groups_is_left_out_quietly(tmp_path):
     assert "Δ per seed" not in rep.table  # one row per run: no paired columns
     asked = make_report(root, figures=["delta_ci"])  # asked for by name: the reason is given
     assert dict(asked.skipped)["delta_ci"] == "no seed groups with a none baseline of otherwise equal parameters"
+
+
+def test_downstream_section_pairs_fine_tuning_runs(tmp_path):
+    """results.md's downstream section: accuracy with its t interval over the fine-tuning runs, and
+    Δ vs none paired by (pretraining seed, fine-tuning seed), higher accuracy read as better."""
+    from gradzip.plots.downstream_table import downstream_markdown
+
+    root = tmp_path / "ds"
+    accs = {"none": [0.50, 0.52, 0.54], "topk": [0.40, 0.43, 0.43], "fp16": [0.51, 0.50, 0.56]}
+    cells = []
+    for c, vals in accs.items():
+        name = f"compressor={c}"
+        write(root / name, c, 0, 7.0, acc=0.3)
+        (root / name / "downstream").mkdir()
+        (root / name / "downstream" / "summary.json").write_text(json.dumps(
+            {"accuracy": sum(vals) / 3, "seeds": [{"seed": s, "accuracy": a} for s, a in enumerate(vals)]}))
+        cells.append({"name": name, "params": {"compressor": c}, "status": "done"})
+    (root / "sweep.json").write_text(json.dumps({"spec": {"name": "ds", "grid": {"compressor": list(accs)}},
+                                                 "cells": cells}))
+    md = downstream_markdown(load_runs(root))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in md.splitlines() if line.startswith("| ") and "configuration" not in line}
+    half = 0.02 * T2 / math.sqrt(3)  # none: mean 0.52, s = 0.02
+    assert rows["none"][1] == f"0.5200 [{0.52 - half:+.4f}, {0.52 + half:+.4f}]".replace("[+", "[").replace(", +", ", ")
+    assert rows["none"][4] == "baseline"
+    # topk - none per fine-tuning seed: -0.10, -0.09, -0.11 -> mean -0.10, s 0.01
+    assert rows["topk"][2] == "-0.1000, -0.0900, -0.1100"
+    h = 0.01 * T2 / math.sqrt(3)
+    assert rows["topk"][3] == f"-0.1000 [{-0.1 - h:+.4f}, {-0.1 + h:+.4f}]" and rows["topk"][4] == "worse"
+    assert rows["fp16"][4] == "within noise"  # +0.01, -0.02, +0.02
+    assert downstream_markdown(load_runs(paired_sweep(tmp_path / "sw"))) == ""

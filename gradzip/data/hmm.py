@@ -14,9 +14,8 @@ The generator (all drawn from the language seed):
    otherwise it moves to one of ``branch`` successor states, with Dirichlet(1) weights, mixed with
    ``smooth`` of the uniform distribution (so the chain is ergodic).
 2. Emissions: words are split into ``states`` groups; state ``k`` emits from its own group with
-   Zipf(1) weights over a random order of it and, with total weight ``leak``, from every word
-   uniformly (so a word does not name its state for certain, and forward-backward sees further
-   than the nearest neighbours).
+   Zipf(1) weights over a random order of it and, with total weight ``leak`` (default 0), from
+   every word uniformly (then a word does not name its state for certain).
 
 References for a model that ignores context: the unigram entropy H of the stationary word
 distribution; with ``[MASK]``-only corruption this is also the context-free floor.
@@ -30,19 +29,19 @@ import numpy as np
 
 from gradzip.errors import GradzipError
 
-DEFAULTS = {"states": 32, "words": 512, "branch": 3, "stay": 0.8, "smooth": 0.02, "leak": 0.05, "seed": 0}
+DEFAULTS = {"states": 32, "words": 256, "branch": 3, "stay": 0.8, "smooth": 0.02, "leak": 0.0, "seed": 0}
 
 
 @dataclass(frozen=True)
 class HMMSpec:
-    """``hmm:states=32,words=512,branch=3,stay=0.8,smooth=0.02,leak=0.05,seed=0`` (every key optional)."""
+    """``hmm:states=32,words=256,branch=3,stay=0.8,smooth=0.02,leak=0,seed=0`` (every key optional)."""
 
     states: int = 32
-    words: int = 512
+    words: int = 256
     branch: int = 3
     stay: float = 0.8
     smooth: float = 0.02
-    leak: float = 0.05
+    leak: float = 0.0
     seed: int = 0
 
     @classmethod

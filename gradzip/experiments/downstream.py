@@ -4,7 +4,8 @@ A spec with a ``[downstream]`` table fine-tunes every cell's pretrained model on
 finished (or was finished before), on rank 0::
 
     [downstream]
-    task = "keywords"          # the synthetic keyword task, built from the cell's corpus ...
+    task = "keywords"          # the synthetic keyword task, built from the cell's corpus, or "wordnet"
+                               # (gradzip.data.wordnet: the same sample for every cell) ...
     # train = "data/train.jsonl"        # ... or files (csv/tsv/jsonl), or hf:glue:sst2-style names
     # validation = "data/validation.jsonl"
     seeds = 3                  # fine-tuning seeds per cell
@@ -32,12 +33,14 @@ from typing import Any
 
 from gradzip.data.corpus import load_corpus
 from gradzip.data.synthetic_cls import FILES, write_keyword_task
+from gradzip.data.wordnet import write_wordnet_task
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_json
 from gradzip.training.export import export_hf
 from gradzip.training.finetune import FinetuneConfig, finetune
 
 KEYS = {"task", "train", "validation", "seeds", "epochs", "lr", "batch_size", "seq_len", "examples"}
+TASKS = ("keywords", "wordnet")
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,9 @@ def parse_downstream(table: Any, src: Path) -> Downstream:
     if files and "task" in table:
         raise SpecError(f"{src}: [downstream] takes task = \"keywords\" or train/validation files, not both")
     task = None if files else table.get("task", "keywords")
-    if task not in (None, "keywords"):
-        raise SpecError(f"{src}: [downstream] task must be \"keywords\" (the synthetic task), got {task!r}")
+    if task not in (None, *TASKS):
+        raise SpecError(f"{src}: [downstream] task must be \"keywords\" (the synthetic task) or \"wordnet\" "
+                        f"(WordNet's noun glosses), got {task!r}")
     try:
         ds = Downstream(task, table.get("train"), table.get("validation"), int(table.get("seeds", 1)),
                         int(table.get("epochs", 3)), float(table.get("lr", 5e-5)), int(table.get("batch_size", 32)),
@@ -87,11 +91,14 @@ def run_downstream(cell_dir: Path, config: dict[str, Any], ds: Downstream, echo:
     hf = root / "hf"
     if not (hf / "config.json").is_file():
         export_hf(cell_dir, hf)
-    if ds.task == "keywords":
+    if ds.task in TASKS:
         task = root / "task"
         if not all((task / f).is_file() for f in FILES):
-            write_keyword_task(task, load_corpus(config.get("corpus"), progress=False), *ds.examples,
-                               seed=int(config.get("seed", 0)))
+            if ds.task == "wordnet":  # seed 0 for every cell: they all fine-tune on the same sample
+                write_wordnet_task(task, *ds.examples, seed=0)
+            else:
+                write_keyword_task(task, load_corpus(config.get("corpus"), progress=False), *ds.examples,
+                                   seed=int(config.get("seed", 0)))
         train, validation = str(task / FILES[0]), str(task / FILES[1])
         counts = tuple(sum(1 for line in open(f, encoding="utf-8") if line.strip()) for f in (train, validation))
         if counts != tuple(ds.examples):
@@ -126,7 +133,7 @@ def _check_recipe(done: dict[str, Any], ds: Downstream, seed: int, out: Path) ->
     got = done.get("settings") or {}
     want = {"epochs": ds.epochs, "lr": ds.lr, "batch_size": ds.batch_size, "seq_len": ds.seq_len, "seed": seed}
     diff = [k for k, v in want.items() if got.get(k) != v]
-    if ds.task == "keywords" and done.get("examples") != {"train": ds.examples[0], "validation": ds.examples[1]}:
+    if ds.task in TASKS and done.get("examples") != {"train": ds.examples[0], "validation": ds.examples[1]}:
         diff.append("examples")
     if diff:
         raise GradzipError(f"{out} was fine-tuned with other settings ({', '.join(diff)} differ from [downstream]); "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gradzip.errors import GradzipError
 from gradzip.io import atomic_write_text
+from gradzip.plots.downstream_table import downstream_markdown
 from gradzip.plots.figures import draw_all
 from gradzip.plots.results import FIGURE_CHOICES, Collection, LossTarget, is_figure, load_runs
 from gradzip.plots.retime import bandwidth_columns
@@ -63,7 +64,7 @@ def make_report(path: str | Path, out: str | Path | None = None, figures: list[s
             raise GradzipError(f"target bandwidths: {e}") from None
     captions = {**(plot_opts.get("captions") or {}), **(captions or {})}
 
-    table = results_markdown(col, target)
+    table = results_markdown(col, target) + downstream_markdown(col)
     md, csv_path = out_dir / "results.md", out_dir / "results.csv"
     title = col.spec.get("name") or col.root.name
     atomic_write_text(md, f"# Results: {title}\n\n{table}")

@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "to 0 at --steps", type=float)
     flag(g, "--dropout", "BERT's hidden and attention dropout probability (0 for short runs that should "
          "learn fast)", type=float)
+    flag(g, "--init-std", "standard deviation of the initial weights (BERT's initializer_range, 0.02)",
+         type=float)
     flag(g, "--weight-decay", "decoupled; not applied to biases and LayerNorm", type=float)
     flag(g, "--clip", "clip the global gradient norm to this (0: off)", type=float)
     flag(g, "--precision", "fp32; bf16 autocast (CPU or CUDA); fp16 autocast + gradient scaling (CUDA only)",

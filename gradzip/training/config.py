@@ -96,6 +96,7 @@ class TrainConfig:
     precision: str = "fp32"
     clip: float = 1.0
     dropout: float = 0.1  # BERT's hidden and attention dropout
+    init_std: float = 0.02  # standard deviation of the initial weights (BERT's initializer_range)
     seed: int = 0
     max_skips: int = 10  # consecutive steps skipped for a non-finite gradient before the run stops (0: never)
     freeze_step: float = 0.2  # onebit-adam/-lamb: warm-up steps (below 1: a fraction of --steps)
@@ -174,6 +175,8 @@ class TrainConfig:
             v = getattr(self, key)
             if not (math.isfinite(v) and v >= 0):
                 raise bad(key, f"must be >= 0 (0 turns it off), got {v}")
+        if not (math.isfinite(self.init_std) and self.init_std > 0):
+            raise bad("init_std", f"must be a positive number (BERT: 0.02), got {self.init_std}")
         if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
             raise bad("dropout", f"must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(self.mask_prob) and 0 < self.mask_prob < 1):

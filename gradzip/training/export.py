@@ -172,7 +172,8 @@ def model_config(train_cfg: TrainConfig, weights: dict[str, torch.Tensor], path:
     except KeyError as e:
         raise GradzipError(f"checkpoint {path} lacks {e.args[0]}; it is not a gradzip BERT checkpoint") from None
     cfg = bert_config(train_cfg.model, vocab_size=vocab, max_position_embeddings=positions,
-                      hidden_dropout_prob=train_cfg.dropout, attention_probs_dropout_prob=train_cfg.dropout)
+                      hidden_dropout_prob=train_cfg.dropout, attention_probs_dropout_prob=train_cfg.dropout,
+                      initializer_range=train_cfg.init_std)
     expected = {k: s for k, s in parameter_shapes(cfg).items() if k not in _TIED}
     got = {k: tuple(v.shape) for k, v in weights.items()}
     wrong = sorted(set(expected) ^ set(got)) + sorted(k for k in expected if k in got and got[k] != expected[k])

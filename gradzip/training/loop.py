@@ -89,7 +89,8 @@ def _build_model(cfg: TrainConfig, data: Any, runtime: Any) -> tuple[torch.nn.Mo
     """BERT on the run's device; with ``--fsdp``/``--hsdp``, sharded (returns HSDP's replica group)."""
     model = BertForPreTraining(bert_config(
         cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len),
-        hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout)).to(runtime.device)
+        hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
+        initializer_range=cfg.init_std)).to(runtime.device)
     if cfg.sharding == "none":
         return model, None
     return model, shard_model(model, cfg.sharding, runtime.num_workers, cfg.ranks_per_node, runtime.device)
