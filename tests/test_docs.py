@@ -202,6 +202,7 @@ EXTERNAL: list[tuple[Callable[[list[str]], bool], str]] = [
     (lambda t: Path(t[0]).name == "mkdocs", "builds these pages (test_mkdocs_build_strict does)"),
     (lambda t: t[:3] == ["ip", "netns", "exec"], "needs root: a program on a host of the network testbed"),
     (lambda t: t[0] == "rm", "removes files"),
+    (lambda t: t[:2] == ["apt-get", "install"], "installs a Debian package (needs root)"),
     (lambda t: Path(t[0]).name in ("tensorboard", "wandb", "mlflow"), "a logger's own viewer or uploader"),
     (lambda t: _is_python(t, "-c"), "inline Python (test_inline_python_compiles checks it)"),
     (lambda t: any(x.startswith("examples/") and x.endswith(".py") for x in t),

@@ -29,15 +29,15 @@ import numpy as np
 
 from gradzip.errors import GradzipError
 
-DEFAULTS = {"states": 32, "words": 256, "branch": 3, "stay": 0.8, "smooth": 0.02, "leak": 0.0, "seed": 0}
+DEFAULTS = {"states": 16, "words": 64, "branch": 3, "stay": 0.8, "smooth": 0.02, "leak": 0.0, "seed": 0}
 
 
 @dataclass(frozen=True)
 class HMMSpec:
-    """``hmm:states=32,words=256,branch=3,stay=0.8,smooth=0.02,leak=0,seed=0`` (every key optional)."""
+    """``hmm:states=16,words=64,branch=3,stay=0.8,smooth=0.02,leak=0,seed=0`` (every key optional)."""
 
-    states: int = 32
-    words: int = 256
+    states: int = 16
+    words: int = 64
     branch: int = 3
     stay: float = 0.8
     smooth: float = 0.02

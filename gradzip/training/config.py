@@ -31,13 +31,12 @@ from typing import Any
 import torch
 
 from gradzip.compress.registry import create, normalize_spec, parse_spec
-from gradzip.data.hmm import HMMSpec
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
 from gradzip.models import bert_config
 from gradzip.plan.auto import is_auto
 from gradzip.plan.sync import SyncSpec, parse_sync
-from gradzip.training.config_checks import _pre, check_auto, check_netem, check_sharding
+from gradzip.training.config_checks import _pre, check_auto, check_generated, check_netem, check_sharding
 from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
@@ -195,14 +194,7 @@ class TrainConfig:
                 raise bad(key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
         if self.vocab_size is not None and self.vocab_size < 100:
             raise bad("vocab_size", f"must be >= 100 (or unset for the model's default), got {self.vocab_size}")
-        if self.corpus is not None and (self.corpus == "hmm" or self.corpus.startswith("hmm:")):
-            try:
-                HMMSpec.parse(self.corpus)
-            except GradzipError as e:
-                raise bad("corpus", str(e)) from None
-            if self.tokenizer:
-                raise bad("tokenizer", "a generated language (--corpus hmm) brings its own vocabulary; "
-                          "drop --tokenizer")
+        check_generated(self, source)
         if self.seq_len > 512:
             raise bad("seq_len", f"must be <= 512 (BERT's position embeddings), got {self.seq_len}")
         if self.intra_dtype not in ("native", "fp16", "bf16"):

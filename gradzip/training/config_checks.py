@@ -1,5 +1,5 @@
 """Checks of a ``gradzip train`` configuration that span several settings: sharded training
-(``--fsdp``/``--hsdp``), ``--compressor auto`` and the link (``--bandwidth``, ``--netem``,
+(``--fsdp``/``--hsdp``), ``--compressor auto``, a generated corpus and the link (``--bandwidth``, ``--netem``,
 ``--netem-trace``). Called by :meth:`TrainConfig.validate`; every failure is one line."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Any
 
 from gradzip.compress.ef import ErrorFeedback
 from gradzip.compress.registry import create
+from gradzip.data.hmm import HMMSpec
 from gradzip.errors import GradzipError, SpecError
 from gradzip.netem.spec import UNSHAPED, parse_netem
 from gradzip.netem.trace import read_trace, resolve_trace
@@ -24,6 +25,19 @@ def _pre(source: str) -> str:
 def _flat_memory(comp: Any) -> bool:
     """The compressor keeps a flat error memory (error feedback, not per matrix)."""
     return isinstance(comp, ErrorFeedback) and not comp.per_tensor
+
+
+def check_generated(cfg: Any, source: str) -> None:
+    """``--corpus hmm[:options]`` (a generated language): its options, and no ``--tokenizer``."""
+    if cfg.corpus is None or not (cfg.corpus == "hmm" or cfg.corpus.startswith("hmm:")):
+        return
+    try:
+        HMMSpec.parse(cfg.corpus)
+    except GradzipError as e:
+        raise GradzipError(f"{_pre(source)}--corpus {e}") from None
+    if cfg.tokenizer:
+        raise GradzipError(f"{_pre(source)}--tokenizer: a generated language (--corpus hmm) brings its own "
+                           "vocabulary; drop --tokenizer")
 
 
 def check_auto(cfg: Any, source: str) -> None:
