@@ -38,3 +38,13 @@ def test_downstream_task_wordnet_parses(tmp_path) -> None:
 
     with pytest.raises(SpecError, match="keywords.*wordnet"):
         parse_downstream({"task": "glue"}, tmp_path / "s.toml")
+
+
+def test_one_worker_says_nothing_is_compressed(tmp_path, capsys) -> None:
+    from gradzip.cli import main
+
+    assert main(["train", "--corpus", "hmm:states=4,words=60", "--workers", "1", "--steps", "1", "--seq-len", "16",
+                 "--batch-size", "2", "--eval-every", "0", "--checkpoint-every", "0", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to compress with one worker" in out and "n/a" not in out

@@ -236,6 +236,8 @@ def _print_summary(s: dict[str, Any]) -> None:
 
     inter = s.get("inter_bytes_per_step")
     between = f" ({inter:,.0f} between nodes)" if inter is not None and inter < (s.get("bytes_per_step") or 0) else ""
+    ratio = ("nothing to compress with one worker" if s.get("compression_ratio") is None
+             else f"compression {s['compression_ratio']:.1f}x")
     n_skip = s.get("skipped_steps") or 0
     skipped = f", {n_skip} step{'s' if n_skip != 1 else ''} skipped (non-finite gradients)" if n_skip else ""
     what = s.get("compressor")
@@ -251,6 +253,6 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"{s.get('workers')} {s.get('backend')} workers: loss {f(s.get('final_loss'), '.4f')}, "
           f"eval loss {f(s.get('final_eval_loss'), '.4f')}, {f(s.get('tokens_per_s'), ',.0f')} tokens/s "
           f"({s.get('clock')}), {f(s.get('bytes_per_step'), ',.0f')} bytes/step sent per rank{between}, "
-          f"compression {f(s.get('compression_ratio'), '.1f')}x{skipped} -> {s.get('out')}")
+          f"{ratio}{skipped} -> {s.get('out')}")
     if s.get("warning"):
         print(f"gradzip train: warning: {s['warning']}", file=sys.stderr)
