@@ -27,17 +27,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, models
 
-from gradzip.data.hmm import HMMLanguage, HMMSpec, entropy
+from gradzip.data.hmm import HMMLanguage, HMMSpec, entropy, is_generated  # noqa: F401 (re-exported)
 from gradzip.data.pretrain import MASK_PROB, UnigramReference, mask_tokens
 from gradzip.data.tokenizer import SPECIAL_TOKENS, WordPieceTokenizer, _bert_pipeline
 from gradzip.errors import GradzipError
 
 EVAL_ROWS = 4096  # the held-out set: more rows than any evaluation reads
 _SPLITS = {"train": 0, "eval": 1}
-
-
-def is_generated(corpus: str | None) -> bool:
-    return isinstance(corpus, str) and (corpus == "hmm" or corpus.startswith("hmm:"))
 
 
 def word_tokenizer(words: int) -> WordPieceTokenizer:

@@ -32,6 +32,11 @@ from gradzip.errors import GradzipError
 DEFAULTS = {"states": 16, "words": 64, "branch": 3, "stay": 0.8, "smooth": 0.02, "leak": 0.0, "seed": 0}
 
 
+def is_generated(corpus: str | None) -> bool:
+    """Whether a ``--corpus`` value names a generated language (``hmm`` or ``hmm:...``)."""
+    return isinstance(corpus, str) and (corpus == "hmm" or corpus.startswith("hmm:"))
+
+
 @dataclass(frozen=True)
 class HMMSpec:
     """``hmm:states=16,words=64,branch=3,stay=0.8,smooth=0.02,leak=0,seed=0`` (every key optional)."""

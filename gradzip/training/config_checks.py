@@ -8,7 +8,7 @@ from typing import Any
 
 from gradzip.compress.ef import ErrorFeedback
 from gradzip.compress.registry import create
-from gradzip.data.hmm import HMMSpec
+from gradzip.data.hmm import HMMSpec, is_generated
 from gradzip.errors import GradzipError, SpecError
 from gradzip.netem.spec import UNSHAPED, parse_netem
 from gradzip.netem.trace import read_trace, resolve_trace
@@ -29,7 +29,7 @@ def _flat_memory(comp: Any) -> bool:
 
 def check_generated(cfg: Any, source: str) -> None:
     """``--corpus hmm[:options]`` (a generated language): its options, and no ``--tokenizer``."""
-    if cfg.corpus is None or not (cfg.corpus == "hmm" or cfg.corpus.startswith("hmm:")):
+    if not is_generated(cfg.corpus):
         return
     try:
         HMMSpec.parse(cfg.corpus)
