@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from gradzip.comm.base import Communicator
+from gradzip.comm.cost import allreduce_bytes
 from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import flatten, unflatten
 from gradzip.compress.bitpack import empty
@@ -150,6 +151,16 @@ class DiLoCo:
         self._bad = 0
 
     # ------------------------------------------------------------------ public API
+    eval_on_every_rank = False  # the Synchronizer protocol: a replicated model evaluates on rank 0
+
+    def summary(self) -> dict[str, Any]:
+        """No fields of its own in ``summary.json`` (the protocol's)."""
+        return {}
+
+    def fp32_bytes(self, n_params: int) -> int:
+        """The per-step baseline: a ring allreduce of ``n_params`` fp32 gradients every step."""
+        return allreduce_bytes(4 * n_params, self.comms[0].world_size)
+
     @property
     def worker_ids(self) -> list[int]:
         return [c.rank for c in self.comms]

@@ -69,6 +69,7 @@ from torch import Tensor
 
 from gradzip.cluster.schedule import BucketTiming, Span
 from gradzip.comm.base import Communicator
+from gradzip.comm.cost import allreduce_bytes
 from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import Compressor, unflatten
 from gradzip.compress.none import NoCompression
@@ -159,6 +160,16 @@ class Engine:
     @property
     def world_size(self) -> int:
         return self._workers[0].comm.world_size
+
+    eval_on_every_rank = False  # the Synchronizer protocol: a replicated model evaluates on rank 0
+
+    def summary(self) -> dict[str, Any]:
+        """No fields of its own in ``summary.json`` (the protocol's)."""
+        return {}
+
+    def fp32_bytes(self, n_params: int) -> int:
+        """A ring allreduce of ``n_params`` fp32 gradients (the protocol's baseline)."""
+        return allreduce_bytes(4 * n_params, self.world_size)
 
     @property
     def comm(self) -> Communicator:

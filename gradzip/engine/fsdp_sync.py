@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradzip.cluster.sharded import chunkable
-from gradzip.comm.cost import reduce_scatter_bytes
+from gradzip.comm.cost import allreduce_bytes, reduce_scatter_bytes
 from gradzip.engine.fsdp import FSDPCompression, _rs_group
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import OptimizerStep
@@ -117,6 +117,20 @@ class FSDPSync:
     def shard_size(self) -> int:
         """Ranks each parameter is sharded over."""
         return int(_rs_group(self.comp._units[0][1]).size()) if self.comp._units else 1
+
+    eval_on_every_rank = True  # the Synchronizer protocol: a sharded forward needs every rank
+
+    def summary(self) -> dict[str, Any]:
+        """No fields of its own in ``summary.json`` (the protocol's)."""
+        return {}
+
+    def fp32_bytes(self, n_params: int) -> int:
+        """Uncompressed fp32 reductions of ``n_params`` gradients: FSDP's reduce-scatter, or HSDP's
+        inside the node plus an allreduce of the shard across the replicas (FSDP's padding left out)."""
+        world, k, nbytes = dist.get_world_size(), self.shard_size, 4 * n_params
+        if not self.hsdp:
+            return reduce_scatter_bytes(nbytes, world)
+        return reduce_scatter_bytes(nbytes, k) + allreduce_bytes(nbytes // k, world // k)
 
     def _marks(self) -> dict[str, float]:
         """Cumulative counters this rank's step figures are differences of."""

@@ -60,11 +60,23 @@ class Synchronizer(Protocol):
     worker_ids: the workers this process hosts (sim: all N; real backends: ``[rank]``).
     spec: the compressor's canonical spec. exchange: its exchange scheme's name.
     last_schedule: the last step's spans (encodes, waits, decodes, link rounds), or ``[]``.
+    eval_on_every_rank: evaluation runs on every rank (a sharded model's forward needs them all),
+    not on rank 0 alone.
     """
 
     worker_ids: list[int]
     spec: str
     last_schedule: list[Span]
+    eval_on_every_rank: bool
+
+    def summary(self) -> dict[str, Any]:
+        """The mode's own fields for ``summary.json`` (``{}`` when it has none)."""
+        ...
+
+    def fp32_bytes(self, n_params: int) -> int:
+        """Bytes one rank would send per step to reduce ``n_params`` fp32 gradients uncompressed
+        in this mode's layout: the baseline of the run's compression figure."""
+        ...
 
     @property
     def exchange(self) -> str: ...

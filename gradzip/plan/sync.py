@@ -27,8 +27,26 @@ MODES = {
               "(every=H,outer_lr=0.7,momentum=0.9,fragments=1,delay=0,alpha=0)",
     "localsgd": "average the parameters every H steps (every=H)",
 }
-_KEYS = {"diloco": ("every", "outer_lr", "momentum", "fragments", "delay", "alpha", "nesterov"),
-         "localsgd": ("every", "fragments", "delay"), "step": ()}
+_KEYS: dict[str, tuple[str, ...]] = {
+    "diloco": ("every", "outer_lr", "momentum", "fragments", "delay", "alpha", "nesterov"),
+    "localsgd": ("every", "fragments", "delay"), "step": ()}
+_COMMON = frozenset(_KEYS["diloco"])  # parsed into SyncSpec's fields; a new mode's other keys: options
+
+
+def register_spelling(mode: str, help: str, keys: tuple[str, ...]) -> None:
+    """Accept ``--sync MODE:key=value,...`` with ``keys`` (:func:`gradzip.engine.modes.register_sync`
+    calls it). The keys among :class:`SyncSpec`'s fields are parsed into them; any other key is
+    kept, as text, in ``SyncSpec.options`` for the mode's builder. The built-in modes are here already."""
+    if mode in _KEYS and _KEYS[mode] != tuple(keys):
+        raise ValueError(f"--sync {mode} is spelled twice, with different parameters")
+    MODES[mode], _KEYS[mode] = MODES.get(mode, help), tuple(keys)
+
+
+def unregister_spelling(mode: str) -> None:
+    """Forget a registered spelling (tests and plugins that unload); the built-in ones stay."""
+    if mode not in ("step", "diloco", "localsgd"):
+        MODES.pop(mode, None)
+        _KEYS.pop(mode, None)
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,7 @@ class SyncSpec:
     fragments: int = 1  # P
     delay: int = 0  # τ: inner steps between sending a fragment and applying it
     alpha: float = 0.0  # Streaming DiLoCo's mixing of the local parameters at the merge
+    options: tuple[tuple[str, str], ...] = ()  # a registered mode's own keys, as given
 
     @property
     def outer(self) -> bool:
@@ -66,6 +85,8 @@ class SyncSpec:
     def __str__(self) -> str:
         if self.mode == "step":
             return "step"
+        if self.mode not in ("diloco", "localsgd"):  # a registered mode: every=H, then its own keys
+            return ",".join([f"{self.mode}:every={self.every}", *(f"{k}={v}" for k, v in self.options)])
         if self.mode == "localsgd":
             extra = f",fragments={self.fragments},delay={self.delay}" if self.fragments > 1 or self.delay else ""
             return f"localsgd:every={self.every}{extra}"
@@ -132,5 +153,6 @@ def parse_sync(text: str | SyncSpec | None) -> SyncSpec:
         raise SpecError(f"--sync {mode}: momentum={momentum} must be in [0, 1)")
     if not (math.isfinite(alpha) and 0 <= alpha <= 1):
         raise SpecError(f"--sync {mode}: alpha={alpha} must be in [0, 1]")
+    options = tuple(sorted((k, v) for k, v in params.items() if k not in _COMMON))
     return SyncSpec(mode=mode, every=every, outer_lr=outer_lr, momentum=momentum, nesterov=nesterov and momentum > 0,
-                    fragments=fragments, delay=delay, alpha=alpha)
+                    fragments=fragments, delay=delay, alpha=alpha, options=options)

@@ -56,8 +56,7 @@ from gradzip.training.progress import Progress
 from gradzip.training.rng import WorkerRNG, seed_everything
 from gradzip.training.runtime import build_data, create_runtime
 from gradzip.training.schedule import WarmupDecay
-from gradzip.training.sharding import fp32_reduction_bytes, shard_model
-from gradzip.training.sync import Stepper, make_synchronizer
+from gradzip.training.sync import Stepper, make_synchronizer, prepare_model
 
 __all__ = ["TrainConfig", "train"]
 
@@ -86,14 +85,13 @@ def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runt
 
 
 def _build_model(cfg: TrainConfig, data: Any, runtime: Any) -> tuple[torch.nn.Module, Any]:
-    """BERT on the run's device; with ``--fsdp``/``--hsdp``, sharded (returns HSDP's replica group)."""
+    """BERT on the run's device, prepared for its sync mode (``--fsdp``/``--hsdp``: sharded; returns
+    HSDP's replica group)."""
     model = BertForPreTraining(bert_config(
         cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len),
         hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
         initializer_range=cfg.init_std)).to(runtime.device)
-    if cfg.sharding == "none":
-        return model, None
-    return model, shard_model(model, cfg.sharding, runtime.num_workers, cfg.ranks_per_node, runtime.device)
+    return model, prepare_model(cfg, model, runtime.num_workers, runtime.device)
 
 
 def _open_out(cfg: TrainConfig, runtime: Any) -> tuple[TrainConfig, Any]:
@@ -141,7 +139,7 @@ def _open_log(cfg: TrainConfig, out: Any, state: checkpoint.RunState, runtime: A
         truncate_metrics(out / "metrics.jsonl", state.progress["step"])
     if runtime.is_main:
         write_toml(cfg, out / "config.toml")
-    if _evaluates(cfg, runtime) and state.progress["step"] == 0 and cfg.eval_batches:
+    if _evaluates(state.sync, runtime) and state.progress["step"] == 0 and cfg.eval_batches:
         state.progress["initial_eval_loss"] = evaluate(state.model, data, cfg, precision,
                                                        runtime.device).get("eval_loss")
     sinks = open_sinks(parse_log(cfg.log), out, cfg.to_dict(), state.progress["step"]) if runtime.is_main else []
@@ -151,9 +149,9 @@ def _open_log(cfg: TrainConfig, out: Any, state: checkpoint.RunState, runtime: A
     return MetricsLog(out / "metrics.jsonl", enabled=runtime.is_main, sinks=sinks)
 
 
-def _evaluates(cfg: TrainConfig, runtime: Any) -> bool:
+def _evaluates(sync: Synchronizer, runtime: Any) -> bool:
     """Rank 0 evaluates; a sharded model's forward needs every rank (its all-gathers)."""
-    return runtime.is_main or cfg.sharding != "none"
+    return runtime.is_main or sync.eval_on_every_rank
 
 
 def _evaluate_into(rec: StepRecord, cfg: TrainConfig, state: checkpoint.RunState, runtime: Any, data: Any,
@@ -161,7 +159,7 @@ def _evaluate_into(rec: StepRecord, cfg: TrainConfig, state: checkpoint.RunState
     """The held-out loss into the step's record, when due (rank 0; sharded: every rank)."""
     step = rec.step
     due = step == last or (cfg.eval_every and step % cfg.eval_every == 0)
-    if _evaluates(cfg, runtime) and cfg.eval_batches and due:
+    if _evaluates(state.sync, runtime) and cfg.eval_batches and due:
         ev = evaluate(state.model, data, cfg, precision, runtime.device)
         for k in EVAL_FIELDS:
             setattr(rec, k, ev.get(k))
@@ -198,9 +196,8 @@ def _summary(cfg: TrainConfig, out: Any, sync: Synchronizer, data: Any, n_params
     info.update(unigram_entropy=ref.entropy, top_token_rate=ref.top_rate, context_free_mlm_loss=ref.floor,
                 context_free_mlm_acc=ref.floor_acc,
                 optimal_mlm_loss=data.optimal_mlm_loss(batch_size=cfg.batch_size, max_batches=cfg.eval_batches))
-    info.update(getattr(sync, "summary", dict)())  # --compressor auto: its plans and choice
-    none_bytes = fp32_reduction_bytes(n_params, cfg.sharding, runtime.num_workers, cfg.ranks_per_node)
-    summary = summarize(read_metrics(out / "metrics.jsonl"), info, none_bytes)
+    info.update(sync.summary())  # the mode's own fields (--compressor auto: its plans and choice)
+    summary = summarize(read_metrics(out / "metrics.jsonl"), info, sync.fp32_bytes(n_params))
     write_summary(out, summary)
     if last_schedule is not None and last_schedule[2]:
         write_schedule(out, last_schedule[0], last_schedule[1].clock, last_schedule[1].step_s, last_schedule[2])

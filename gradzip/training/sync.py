@@ -1,67 +1,48 @@
 """Which synchroniser a ``gradzip train`` configuration gets, and how the loop steps its optimizer.
 
-Every mode implements :class:`gradzip.engine.synchronizer.Synchronizer`, so the loop has one path:
-
-- ``--sync step`` (default): :class:`gradzip.engine.Engine`, the per-step compressed exchange,
-  following the optimizer's exchange plan when it has one (1-bit Adam/LAMB, DeMo);
-- ``--sync diloco|localsgd``: :class:`gradzip.engine.diloco.DiLoCo`, inner steps on local
-  gradients and a compressed outer sync every H steps (fragments: Streaming DiLoCo);
-- ``--compressor auto``: :class:`gradzip.engine.auto.AutoEngine`, a candidate compressor per
-  bucket, planned from the measured link and re-planned when it drifts (``policy.jsonl``);
-- ``--fsdp``/``--hsdp``: :class:`gradzip.engine.fsdp_sync.FSDPSync`, FSDP2's reductions of the
-  sharded model (:mod:`gradzip.training.sharding`) compressed by :func:`gradzip.fsdp_compress`.
-
-A new mode adds one branch here and one class in :mod:`gradzip.engine`; the loop stays as it is.
+Every mode implements :class:`gradzip.engine.synchronizer.Synchronizer` and is registered by name
+in :mod:`gradzip.engine.modes` (``step``, ``diloco``, ``localsgd``, ``auto``, ``fsdp``, ``hsdp``, and
+any mode a module registers with :func:`gradzip.engine.modes.register_sync`). Building one is a
+lookup: :func:`make_synchronizer` turns the configuration into the typed
+:class:`~gradzip.engine.modes.SyncSettings` every mode takes, and the settings name the mode.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradzip.engine import attach
 from gradzip.engine.config import EngineConfig
-from gradzip.engine.diloco import DiLoCo, outer_sgd
+from gradzip.engine.modes import SyncSettings, build_synchronizer
 from gradzip.engine.synchronizer import Synchronizer
-from gradzip.plan.auto import is_auto
 from gradzip.training.config import TrainConfig
 from gradzip.training.precision import Precision
+from gradzip.training.sharding import shard_model
+
+
+def sync_settings(cfg: TrainConfig, replicas: Any = None) -> SyncSettings:
+    """The synchroniser's part of ``cfg``; every rank compares ``cfg.agreement()`` with the others'
+    at start-up. ``replicas``: HSDP's replica group (from :func:`prepare_model`)."""
+    engine = EngineConfig(bucket_cap_mb=cfg.bucket_cap_mb, min_compress_numel=cfg.min_compress_numel,
+                          agree=cfg.agreement(), hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
+    return SyncSettings(spec=cfg.spec, sync=cfg.sync_spec, engine=engine, sharding=cfg.sharding, replicas=replicas,
+                        ef_dtype=cfg.ef_dtype, timeout=cfg.timeout, log_dir=str(cfg.out) if cfg.out else None)
+
+
+def prepare_model(cfg: TrainConfig, model: torch.nn.Module, world: int, device: torch.device) -> Any:
+    """What a mode needs done to the model before its optimizer exists: ``--fsdp``/``--hsdp`` shard
+    it in place (:mod:`gradzip.training.sharding`; returns HSDP's replica group). Other modes: None."""
+    if cfg.sharding == "none":
+        return None
+    return shard_model(model, cfg.sharding, world, cfg.ranks_per_node, device)
 
 
 def make_synchronizer(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       runtime: Any, replicas: Any = None) -> Synchronizer:
-    """The synchroniser of ``cfg.sync`` over ``runtime.target`` (a communicator or a sim world).
-    Every rank compares its settings (``cfg.agreement()``) with the others' at start-up. A sharded
-    model (``cfg.sharding``) gets FSDPSync; ``replicas``: HSDP's replica group."""
-    if cfg.sharding != "none":
-        from gradzip.engine.fsdp import fsdp_compress
-        from gradzip.engine.fsdp_sync import FSDPSync
-
-        ef_dtype = torch.bfloat16 if cfg.ef_dtype == "bf16" else None
-        return FSDPSync(model, fsdp_compress(model, cfg.spec, replicate=replicas, ef_dtype=ef_dtype,
-                                             timeout=cfg.timeout, agree=cfg.agreement()), runtime.rank)
-    if is_auto(cfg.spec):  # a candidate per bucket, chosen and re-chosen from the measured link
-        from gradzip.engine.auto import AutoEngine
-
-        config = EngineConfig(bucket_cap_mb=cfg.bucket_cap_mb, min_compress_numel=cfg.min_compress_numel,
-                              agree=cfg.agreement(), hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
-        auto = AutoEngine(model, cfg.spec, runtime.target, config, log=Path(cfg.out) / "policy.jsonl")
-        auto.bind_optimizer(optimizer)
-        return auto
-    sync = cfg.sync_spec
-    if sync.outer:  # the inner optimizer steps on local gradients; DiLoCo syncs every H steps
-        return DiLoCo(model, optimizer, outer_sgd(model, sync), runtime.target, sync.every, cfg.spec,
-                      sync.fragments, sync.delay, sync.alpha, bucket_cap_mb=cfg.bucket_cap_mb,
-                      min_compress_numel=cfg.min_compress_numel, hierarchical=cfg.hierarchical,
-                      intra_dtype=cfg.intra_dtype, agree=cfg.agreement(), hook=False)
-    engine = attach(model, cfg.spec, runtime.target, bucket_cap_mb=cfg.bucket_cap_mb,
-                    min_compress_numel=cfg.min_compress_numel, agree=cfg.agreement(),
-                    hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
-    engine.bind_optimizer(optimizer)
-    return engine
+    """The synchroniser of ``cfg`` over ``runtime.target`` (a communicator or a sim world)."""
+    return build_synchronizer(model, optimizer, runtime.target, sync_settings(cfg, replicas))
 
 
 @dataclass
