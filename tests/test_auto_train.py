@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gradzip.cli import main
+from gradzip.comm.cost import allreduce_bytes
 from gradzip.training.metrics import read_metrics
 
 TINY = ["--model", "bert-tiny", "--seq-len", "32", "--batch-size", "4", "--workers", "4", "--eval-batches", "1",
@@ -55,9 +56,19 @@ def test_a_free_link_says_none_is_best(tmp_path, corpus):
 def test_warmup_then_plan_and_resume_keeps_the_plan(tmp_path, corpus):
     args = ["--bandwidth", "100mbit", "--steps", "4", "--compressor", "auto:warmup=2,replan_every=0",
             "--checkpoint-every", "2"]
-    metrics, policy, _ = train(tmp_path, corpus, "full", *args)
+    metrics, policy, summary = train(tmp_path, corpus, "full", *args)
     assert [p["step"] for p in policy] == [2] and "after 2 warm-up steps" in policy[0]["reason"]
-    assert metrics[0]["bytes_sent"] == metrics[1]["bytes_sent"] > 3 * metrics[2]["bytes_sent"]
+    # The plan's traffic is a part of step 2's bytes: the probe a real link would take (at 100 Mbit/s
+    # it stops after 64 KiB and 1 MiB, 3 ring allreduces of each over 4 ranks, and an 8-byte mean
+    # after each size) and the mean of the plan's 9 figures; then an 8-byte gap after steps 3 and 4.
+    probe = 3 * (allreduce_bytes(64 << 10, 4) + allreduce_bytes(1 << 20, 4)) + 2 * allreduce_bytes(8, 4)
+    assert policy[0]["probe_bytes"] == probe + allreduce_bytes(9 * 8, 4) == 5_013_636
+    assert metrics[1]["bytes_sent"] == metrics[0]["bytes_sent"] + policy[0]["probe_bytes"]
+    assert metrics[0]["bytes_sent"] > 3 * metrics[2]["bytes_sent"]
+    assert summary["auto_probe_bytes"] == policy[0]["probe_bytes"] + 2 * allreduce_bytes(8, 4)
+    sent = sum(r["bytes_sent"] for r in metrics)  # the compression figure counts them
+    assert summary["bytes_total"] == sent and summary["compression_ratio"] == pytest.approx(
+        summary["uncompressed_bytes_per_step"] * 4 / sent)
     out = tmp_path / "cut"
     assert main(["train", *TINY, "--corpus", str(corpus), *args, "--stop-at", "2", "--out", str(out)]) == 0
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import gradzip
+from gradzip.auto.measure import LinkProbe
 from gradzip.comm.sim import SimWorld
 from gradzip.engine import ddp_auto
 from gradzip.engine.ddp_auto import AutoHookState
@@ -94,20 +95,27 @@ def test_switching_keeps_every_residual_once():
 def test_the_plan_follows_the_measured_link(tmp_path, monkeypatch, bandwidth, compressed):
     """The probe is replaced by a given link: 1 Mbit/s makes every big bucket compress (fewer bytes
     from the next step on); an infinitely fast one leaves them on none, and the hook says so."""
-    monkeypatch.setattr(ddp_auto, "probe_link", lambda comm, n, device: (50e-6, bandwidth))
+    monkeypatch.setattr(ddp_auto, "probe_link", lambda comm, n, device: LinkProbe(50e-6, bandwidth))
     log = tmp_path / "policy.jsonl"
     states, world = states_for("auto:replan_every=3", 2, log)
     for step in range(6):
         run_step(states, world, step)
         if step == 1:
-            before = states[0].stats()["bytes_per_step"]
+            first = states[0].stats()
+            before = first["bytes_per_step"] - first["probe_bytes_per_step"]
     policy = [json.loads(x) for x in log.read_text().splitlines()]
     assert [p["step"] for p in policy] == [2, 5] and policy[0]["reason"] == "first plan"
     assert policy[0]["bandwidth_bps"] == pytest.approx(bandwidth) and policy[0]["probe_bytes"] > 0
     assert states[0].assigned == states[1].assigned and set(states[0].assigned) == {"bucket0", "bucket1"}
     summary = states[0].summary()
     assert summary["auto_plans"] == 2 and summary["auto_none_is_best"] is not compressed
-    after = states[0].stats()["bytes_per_step"]
+    # the policy's own bytes are a part of what stats() reports, shown apart: here (the probe given)
+    # its agreements, float64 over 2 ranks: the first plan's 8 figures (64 bytes) at step 2, then a
+    # gap (8 bytes) after each of steps 3-6 and the re-plan's 8 figures at step 5
+    second = states[0].stats()
+    assert first["probe_bytes_per_step"] * 2 == 64 and second["probe_bytes_per_step"] * 4 == 4 * 8 + 64
+    assert summary["auto_probe_bytes"] == 64 + 4 * 8 + 64
+    after = second["bytes_per_step"] - second["probe_bytes_per_step"]
     if compressed:
         assert "none" not in states[0].assigned.values() and after < before / 3
         assert policy[0]["predicted_step_s"] <= min(policy[0]["fixed_step_s"].values()) * 1.001
@@ -117,7 +125,7 @@ def test_the_plan_follows_the_measured_link(tmp_path, monkeypatch, bandwidth, co
 
 
 def test_resume_continues_identically(tmp_path, monkeypatch):
-    monkeypatch.setattr(ddp_auto, "probe_link", lambda comm, n, device: (50e-6, 1e6))
+    monkeypatch.setattr(ddp_auto, "probe_link", lambda comm, n, device: LinkProbe(50e-6, 1e6))
     # no drift re-plans (their timing is the machine's): a periodic one at step 4
     spec = "auto:candidates=topk:ratio=0.1+ef=true/powersgd:rank=1,replan_every=2,tolerance=1e9"
     cut, world0 = states_for(spec, 2, tmp_path / "policy.jsonl")

@@ -24,7 +24,8 @@ that the node's mean carries it once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -117,12 +118,15 @@ class ChoiceEngine(Engine):
         super().__init__(model, base, comm, config)
         self.candidates = tuple(c.spec for c in comps)
         self.assigned = [self.candidates[0]] * len(self.buckets)
-        for w in self._workers:  # hierarchical schemes split the communicator: every worker first, then bind
-            w.choice = _Choice(w, self.candidates, self._scheme_for)  # type: ignore[attr-defined]
+        # Each worker's candidates, by worker id: this engine's own state, beside its workers.
+        # Hierarchical schemes split the communicator: every worker's first, then bind.
+        self._choices: dict[int, _Choice] = {w.id: _Choice(w, self.candidates, self._scheme_for)
+                                             for w in self._workers}
         for w in self._workers:
-            for scheme in w.choice.schemes.values():  # type: ignore[attr-defined]
+            ch = self._choices[w.id]
+            for scheme in ch.schemes.values():
                 scheme.bind()
-            w.stateful = list(dict.fromkeys([*w.stateful, *w.choice.stateful()]))  # type: ignore[attr-defined]
+            w.stateful = list(dict.fromkeys([*w.stateful, *ch.stateful()]))
 
     def _scheme_for(self, c: Compressor, comm: Any) -> Any:
         if self.config.hierarchical:
@@ -132,11 +136,11 @@ class ChoiceEngine(Engine):
     def _select(self, w: _Worker, b: Bucket) -> tuple[Compressor, Any]:
         if not (b.compressed and self.compressing):
             return self._plain, w.scheme
-        spec = self.assigned[b.index]
-        residual = w.choice.take(b.key)  # type: ignore[attr-defined]
+        spec, ch = self.assigned[b.index], self._choices[w.id]
+        residual = ch.take(b.key)
         if residual is not None:  # moved here from the bucket's previous compressor: sent from now on
             w.buffer(b).add_(residual.to(b.dtype))
-        return w.choice.candidates[spec], w.choice.schemes[spec]  # type: ignore[attr-defined]
+        return ch.candidates[spec], ch.schemes[spec]
 
     def assign(self, index: int, spec: str) -> None:
         """Exchange bucket ``index`` with candidate ``spec`` from the next step on (between steps,
@@ -149,7 +153,7 @@ class ChoiceEngine(Engine):
             return
         for w in self._workers:
             self._settle(w, keep=True)  # the last step is kept: its memory is what moves
-            ch = w.choice  # type: ignore[attr-defined]
+            ch = self._choices[w.id]
             r = ch.schemes[old].residual(b.key, b.numel)
             r = None if r is None else r.detach().float().clone()
             ch.schemes[old].forget(b.key)
@@ -163,7 +167,7 @@ class ChoiceEngine(Engine):
         to be added to the next gradient (fp32, flat; zeros when there is none)."""
         w, b = self._lookup(wid), self.buckets[index]
         self._settle(w, keep=True)  # the last step's memory, kept
-        ch = w.choice  # type: ignore[attr-defined]
+        ch = self._choices[w.id]
         out = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
         r = ch.schemes[self.assigned[index]].residual(b.key, b.numel)
         if r is not None:
@@ -172,10 +176,43 @@ class ChoiceEngine(Engine):
             out += ch.pending[b.key]
         return out
 
+    # ------------------------------------------------------------------ for the policy that steers it
+    @property
+    def topology(self) -> Any:
+        """Under the hierarchical exchange: the first worker's groups (``node``, ``cross``,
+        ``local_rank``, ``ranks_per_node``); None otherwise."""
+        return self._workers[0].scheme.topo if self.config.hierarchical else None
+
+    def work_time(self) -> float:
+        """The engine's clock for local work (wall time, or sim's CPU time)."""
+        return self._now()
+
+    def bytes_sent(self) -> float:
+        """Bytes sent so far, mean over this process's workers (a running total)."""
+        return sum(w.comm.stats.bytes_sent for w in self._workers) / len(self._workers)
+
+    @contextlib.contextmanager
+    def between_steps(self) -> Iterator[dict[str, float]]:
+        """Traffic between two steps that belongs to the one just ended (the auto policy's probes
+        and agreements): on exit the yielded dict holds its ``bytes_sent``, ``bytes_recv`` and
+        ``intra_bytes_sent`` (mean over workers), which are taken out of the next step's count."""
+        snaps = [w.comm.stats.snapshot() for w in self._workers]
+        out = {"bytes_sent": 0.0, "bytes_recv": 0.0, "intra_bytes_sent": 0.0}
+        try:
+            yield out
+        finally:
+            for w, snap in zip(self._workers, snaps):
+                d = w.comm.stats.since(snap)
+                for k in out:
+                    out[k] += d[k] / len(self._workers)
+                # the next step counts from where it would have, plus this traffic
+                w.snap = (w.snap[0] + int(d["bytes_sent"]), w.snap[1] + int(d["bytes_recv"]), w.snap[2] + d["seconds"],
+                          w.snap[3] + int(d["calls"]), w.snap[4] + int(d["intra_bytes_sent"]))
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["assigned"] = list(self.assigned)
-        sd["choices"] = [w.choice.state_dict() for w in self._workers]  # type: ignore[attr-defined]
+        sd["choices"] = [self._choices[w.id].state_dict() for w in self._workers]
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -185,4 +222,4 @@ class ChoiceEngine(Engine):
             raise GradzipError("engine state: the per-bucket choice does not fit these buckets and candidates")
         self.assigned = assigned
         for w, sd in zip(self._workers, state.get("choices", [])):
-            w.choice.load_state_dict(sd)  # type: ignore[attr-defined]
+            self._choices[w.id].load_state_dict(sd)

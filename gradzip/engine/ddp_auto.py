@@ -17,14 +17,20 @@ counted):
    DDP's first iteration uses its initial buckets and rebuilds them after it; the plan is for the
    rebuilt ones.
 2. **Measure** at the end of that step (in the last bucket's hook call, on every rank at the same
-   point): the link (:func:`gradzip.engine.auto_measure.probe_link`, timed allreduces), each
+   point): the link (:func:`gradzip.auto.measure.probe_link`, timed allreduces), each
    candidate's encode + decode time on the step's buckets, and compute (the time between two
    steps less what the hook spent exposed); the mean of each over the ranks.
-3. **Plan** per bucket (:func:`gradzip.engine.auto_measure.make_plan`; a bucket's small tensors
+3. **Plan** per bucket (:func:`gradzip.auto.measure.make_plan`; a bucket's small tensors
    always go uncompressed) and apply it from the next step.
 4. **Watch**: each step's exposed communication (hook time less encode/decode) against the
-   prediction, the ranks' mean gap; off by more than ``tolerance`` of the predicted step for
-   ``patience`` steps, or every ``replan_every`` steps: measure and plan again.
+   prediction, the ranks' mean gap, by the engine's rule (:class:`gradzip.auto.watch.PolicyWatch`):
+   off by more than ``tolerance`` of the predicted step and the host's noise for ``patience``
+   steps, probe the link again (the codec timings kept); every ``replan_every`` steps, measure
+   everything and plan again.
+
+The policy's own collectives (probes, agreements) are a part of the bytes :meth:`stats` reports,
+and of its compression ratio; ``probe_bytes_per_step`` shows them apart, ``summary()``'s
+``auto_probe_bytes`` in all.
 
 Switching a bucket moves its error memory soundly: the old candidate's residual of each
 parameter is taken out of it and added, once, to that parameter's next gradient, whatever the new
@@ -45,19 +51,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradzip.auto.measure import agree, dtype_name, make_plan, probe_link, time_codecs
+from gradzip.auto.record import PolicyLog, plan_record, policy_summary
+from gradzip.auto.watch import PolicyWatch, Replan
 from gradzip.cluster.network import CodecCost
 from gradzip.cluster.simulate import BucketShape
 from gradzip.compress.registry import create
-from gradzip.engine.auto_measure import (
-    PolicyLog,
-    agree,
-    dtype_name,
-    make_plan,
-    plan_record,
-    policy_summary,
-    probe_link,
-    time_codecs,
-)
 from gradzip.engine.choice import _canonical
 from gradzip.engine.ddp import GradzipHookState, _Part
 from gradzip.errors import GradzipError
@@ -79,9 +78,8 @@ class AutoHookState(GradzipHookState):
         self._log_path, self.log = log, PolicyLog(None)
         self.assigned: dict[str, str] = {}     # bucket key -> candidate (unplanned keys: none)
         self.pending: dict[int, Tensor] = {}   # parameter ordinal -> residual for its next gradient
-        self.steps, self.planned_at, self.drift = 0, -1, 0
-        self.prediction: dict[str, float] = {}
-        self.plans: list[dict[str, Any]] = []
+        self.watch = PolicyWatch(self.auto, min_steps=2)  # DDP rebuilds its buckets after the first step
+        self._probe_since = 0                  # the policy's bytes since the last stats()
         self._seen: set[str] = set()           # keys met in this process
         self._round: list[tuple[str, BucketShape]] = []  # this step's buckets, in call order
         self._device: torch.device = torch.device("cpu")
@@ -134,54 +132,57 @@ class AutoHookState(GradzipHookState):
         comm_s = max(exposed - (self._totals["compress_s"] - codec0), 0.0)
         compute_s = None if self._last_end is None else max(t1 - self._last_end - exposed, 1e-9)
         shapes, self._round, self._launch_s = self._round, [], 0.0
-        self.steps += 1
+        self.watch.step()
         self._policy(shapes, comm_s, compute_s)
         self._last_end = time.perf_counter()  # the policy's own time is not the next step's compute
 
     def _policy(self, shapes: list[tuple[str, BucketShape]], comm_s: float, compute_s: float | None) -> None:
         if compute_s is None:  # the first step of a process: the last plan's compute stands in
-            compute_s = self.prediction.get("compute_s")
-        if self.steps < max(self.auto.warmup, 2) or compute_s is None:
+            compute_s = self.watch.prediction.get("compute_s")
+        if compute_s is None:
             return
-        if self.planned_at < 0:
-            why = "first plan" if self.auto.warmup <= 2 else f"after {self.auto.warmup} warm-up steps"
-            self.replan(shapes, comm_s, compute_s, why)
-            return
-        gap = self._collective(lambda: agree(self.comm, self.comm.world_size,
-                                             [abs(comm_s - self.prediction["comm_s"])], self._device))[0]
-        self.drift = self.drift + 1 if gap > self.auto.tolerance * self.prediction["step_s"] else 0
-        if self.drift >= self.auto.patience:
-            self.replan(shapes, comm_s, compute_s, f"measured communication off the prediction for {self.drift} steps")
-        elif self.auto.replan_every and self.steps - self.planned_at >= self.auto.replan_every:
-            self.replan(shapes, comm_s, compute_s, f"every {self.auto.replan_every} steps")
+        n = self.comm.world_size
+        replan = self.watch.check(comm_s, lambda gap: self._collective(
+            lambda: agree(self.comm, n, [gap], self._device))[0])
+        if replan is not None:
+            self.replan(shapes, comm_s, compute_s, replan)
 
     def _collective(self, fn: Any) -> Any:
-        """Run the policy's own collectives; their bytes are the policy's, not a step's (``stats()``)."""
+        """Run the policy's own collectives; their bytes are the policy's (``probe_bytes``), and
+        a part of what ``stats()`` reports sent."""
         sent0 = self.comm.stats.bytes_sent
         out = fn()
-        self._bytes_mark += self.comm.stats.bytes_sent - sent0
+        sent = self.comm.stats.bytes_sent - sent0
+        self.watch.probe_bytes += sent
+        self._probe_since += sent
         return out
 
-    def replan(self, shapes: list[tuple[str, BucketShape]], comm_s: float, compute_s: float, reason: str) -> None:
-        """Measure, agree, plan ``shapes`` (this step's buckets) and assign from the next step on."""
+    def replan(self, shapes: list[tuple[str, BucketShape]], comm_s: float, compute_s: float,
+               why: Replan | str) -> None:
+        """Measure, agree, plan ``shapes`` (this step's buckets) and assign from the next step on
+        (a link-only re-plan keeps the codec timings measured on the same buckets)."""
+        why = why if isinstance(why, Replan) else Replan(why)
         n, sent0 = self.comm.world_size, self.comm.stats.bytes_sent
-        latency, bandwidth = self._collective(lambda: probe_link(self.comm, n, self._device))
-        sizes = [(b.numel, [torch.Size(s) for s in b.shapes]) for _, b in shapes if b.compressed]
-        codecs = time_codecs(self.candidates, sizes, self._device)
+        link = self._collective(lambda: probe_link(self.comm, n, self._device))
+        key = tuple((b.numel, b.shapes) for _, b in shapes if b.compressed)
+        kept = self.watch.codecs(why, key)
+        codecs = kept if kept is not None else time_codecs(
+            self.candidates, [(numel, [torch.Size(s) for s in shp]) for numel, shp in key], self._device)
         specs = [s for s in self.candidates if s != "none"]
-        agreed = self._collective(lambda: agree(self.comm, n, [latency, 1.0 / bandwidth, compute_s,
-                                                               *(codecs[s].encode_s for s in specs)], self._device))
+        agreed = self._collective(lambda: agree(self.comm, n, [link.latency_s, 1.0 / link.bandwidth_bps, compute_s,
+                                                               link.noise, *(codecs[s].encode_s for s in specs)],
+                                                self._device))
         latency, bandwidth, compute = agreed[0], 1.0 / max(agreed[1], 1e-18), max(agreed[2], 1e-9)
-        codecs.update({s: CodecCost(v, 0.0, "measured") for s, v in zip(specs, agreed[3:])})
+        codecs.update({s: CodecCost(v, 0.0, "measured") for s, v in zip(specs, agreed[4:])})
         p = make_plan(self.auto, tuple(b for _, b in shapes), n, latency, bandwidth, compute, codecs, self._dtype)
-        for (key, b), choice in zip(shapes, p.choice):
+        for (bucket, b), choice in zip(shapes, p.choice):
             if b.compressed:
-                self.assign(key, choice)
-        self.planned_at, self.drift = self.steps, 0
-        self.prediction = {"step_s": p.step_s, "comm_s": p.comm_s, "compute_s": compute}
-        self.plans.append({"step": self.steps, "reason": reason, "none_is_best": p.none_is_best})
-        self.log.append(plan_record(self.steps, reason, latency, bandwidth, self.comm.stats.bytes_sent - sent0,
-                                    compute, p, comm_s))
+                self.assign(bucket, choice)
+        self.watch.planned(why.reason, p, agreed[3], key, codecs, compute_s=compute)
+        rec = plan_record(self.watch.steps, why.reason, latency, bandwidth, self.comm.stats.bytes_sent - sent0,
+                          compute, p, comm_s)
+        rec.update(noise=agreed[3], codecs_reused=kept is not None)
+        self.log.append(rec)
 
     # -- switching ---------------------------------------------------------------------------
     def assign(self, key: str, spec: str) -> None:
@@ -224,16 +225,35 @@ class AutoHookState(GradzipHookState):
         return out
 
     # -- reports and checkpoints ------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        return self.watch.steps
+
+    @property
+    def planned_at(self) -> int:
+        return self.watch.planned_at
+
+    @property
+    def plans(self) -> list[dict[str, Any]]:
+        return self.watch.plans
+
+    def stats(self, reset: bool = True) -> dict[str, float]:
+        """:meth:`GradzipHookState.stats`, whose bytes include the policy's own collectives, and
+        ``probe_bytes_per_step``: that part of them."""
+        out = super().stats(reset)
+        probe, self._probe_since = self._probe_since, 0 if reset else self._probe_since
+        if out:
+            out["probe_bytes_per_step"] = probe / out["steps"]
+        return out
+
     def summary(self) -> dict[str, Any]:
         """The ``auto_*`` fields of :meth:`gradzip.engine.auto.AutoEngine.summary`, for this hook."""
-        return policy_summary(list(self.assigned.values()), self.plans)
+        return policy_summary(list(self.assigned.values()), self.watch.plans, self.watch.probe_bytes)
 
     def state_dict(self) -> dict[str, Any]:
         return {"spec": self.spec, "candidates": {c: st.state_dict() for c, st in self.inner.items()},
                 "pending": {str(o): t.clone() for o, t in self.pending.items()},
-                "auto": {"steps": self.steps, "planned_at": self.planned_at, "drift": self.drift,
-                         "prediction": dict(self.prediction), "plans": list(self.plans),
-                         "assigned": dict(self.assigned)}}
+                "auto": {**self.watch.state_dict(), "assigned": dict(self.assigned)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("spec") != self.spec or "auto" not in state:
@@ -242,8 +262,8 @@ class AutoHookState(GradzipHookState):
             st.load_state_dict(state["candidates"][c])
         self.pending = {int(o): t for o, t in state.get("pending", {}).items()}
         a = state["auto"]
-        self.steps, self.planned_at, self.drift = int(a["steps"]), int(a["planned_at"]), int(a["drift"])
-        self.prediction, self.plans, self.assigned = dict(a["prediction"]), list(a["plans"]), dict(a["assigned"])
+        self.watch.load_state_dict(a)
+        self.assigned = dict(a["assigned"])
         self._cut = self.steps  # policy.jsonl loses the plans made after the checkpoint (when bound)
         if self.comm is not None:
             self.log.cut_after(self.steps)

@@ -27,6 +27,9 @@ class StepStats:
     syncs: synchronisations completed this step (per-step exchange: 1; DiLoCo: fragments applied).
     by_collective: sharded training: ``bytes_sent`` split into ``allgather`` (parameters),
         ``reduce_scatter`` and ``allreduce`` (HSDP's replicas); None for the other modes.
+    probe_bytes: ``--compressor auto``: the part of ``bytes_sent`` that the policy sent after the
+        step's exchange (its link probe and the ranks' agreements; ``sim``: what they would send),
+        so that the run's bytes and compression figure include them; 0 for the other modes.
     """
 
     compute_s: float
@@ -42,6 +45,7 @@ class StepStats:
     nonfinite: int = 0
     syncs: int = 1
     by_collective: dict[str, int] | None = None
+    probe_bytes: int = 0
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)

@@ -2,22 +2,21 @@
 engine's policy (:mod:`gradzip.engine.auto`) and the DDP hook's (:mod:`gradzip.engine.ddp_auto`).
 
 - :func:`probe_link`: the link's latency and bandwidth, an α–β fit of timed ring allreduces
-  (the best of 3 each) of 64 KiB and 1 MiB, and 8 MiB when 1 MiB takes under 20 ms;
+  (the best of 3 each) of 64 KiB and 1 MiB, and 8 MiB when 1 MiB takes under 20 ms; and the
+  host's timing noise, the spread of the 3 repeats of the largest size (:class:`LinkProbe`);
+- :func:`modelled_probe_bytes`: the bytes that probe sends on a given link (``sim`` counts them);
 - :func:`time_codecs`: each candidate's encode + decode seconds per element, on buffers of the
   actual compressed buckets' sizes (the best of 2 rounds);
 - :func:`agree`: the mean of each figure over the ranks, so that every rank plans alike;
 - :func:`make_plan`: the per-bucket plan (:func:`gradzip.cluster.auto.plan_buckets`) for a flat
-  ring of ``n`` ranks on the measured link;
-- :class:`PolicyLog`: ``policy.jsonl``, one line per plan, cut back on resume; and
-  :func:`policy_summary`, the ``auto_*`` fields of ``summary.json``.
+  ring of ``n`` ranks on the measured link.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,51 +24,86 @@ import torch
 from gradzip.cluster.auto import AutoPlan, plan_buckets
 from gradzip.cluster.network import Cluster, CodecCost
 from gradzip.cluster.simulate import BucketShape, Workload
+from gradzip.comm import cost
 from gradzip.compress.base import unflatten
 from gradzip.compress.registry import create
 from gradzip.errors import CommError
-from gradzip.io import atomic_write_text, read_jsonl
 from gradzip.plan.auto import AutoSpec
 
 PROBE_BYTES = (64 << 10, 1 << 20, 8 << 20)
+PROBE_REPEATS = 3  # timed allreduces per size: the best is the link's, their spread the host's noise
 PROBE_ENOUGH_S = 0.02  # a transfer this long measures the bandwidth well enough
 
 
+@dataclass(frozen=True)
+class LinkProbe:
+    """What :func:`probe_link` measured. ``noise``: the relative spread (slowest − fastest) /
+    fastest of the repeated allreduces of the largest size probed, this rank's: how much the same
+    transfer's time varies on this host (0 on a quiet one and on ``sim``)."""
+
+    latency_s: float
+    bandwidth_bps: float
+    noise: float = 0.0
+
+
 def probe_link(comm: Any, n: int, device: torch.device | str = "cpu",
-               group: str = "all ranks") -> tuple[float, float]:
-    """(latency s, bandwidth bits/s) from timed allreduces on ``comm`` (``n`` ranks; collective).
-    A collective that fails or times out is re-raised, as the same error, naming ``group`` before
-    the communicator's own message (which names the rank).
+               group: str = "all ranks") -> LinkProbe:
+    """The link's latency (s) and bandwidth (bits/s) from timed allreduces on ``comm`` (``n``
+    ranks; collective), and the host's noise (:class:`LinkProbe`). A collective that fails or
+    times out is re-raised, as the same error, naming ``group`` before the communicator's own
+    message (which names the rank).
 
     Sizes go up from 64 KiB and stop at the first (after two) whose transfer takes
     :data:`PROBE_ENOUGH_S`: a longer one would tell no more and, on a slow link, costs seconds of
     link time (8 MiB take 1.3 s at 100 Mbit/s). Every rank stops at the same size: the decision
     is on the ranks' mean time (one 8-byte allreduce per size)."""
     if n <= 1:
-        return 0.0, float("inf")
+        return LinkProbe(0.0, float("inf"))
     try:
         return _probe(comm, n, device)
     except CommError as e:
         raise type(e)(f"auto's link probe over {group}: {e}") from e
 
 
-def _probe(comm: Any, n: int, device: torch.device | str) -> tuple[float, float]:
-    pts = []
+def _probe(comm: Any, n: int, device: torch.device | str) -> LinkProbe:
+    pts, noise = [], 0.0
     for nbytes in PROBE_BYTES:
         buf = torch.zeros(nbytes // 4, device=device)
-        best = float("inf")
-        for _ in range(3):
+        times = []
+        for _ in range(PROBE_REPEATS):
             t0 = time.perf_counter()
             comm.allreduce(buf, "sum")
-            best = min(best, time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
+        best = min(times)
+        noise = (max(times) - best) / max(best, 1e-12)
         best = agree(comm, n, [best], device)[0]
         pts.append((2 * (n - 1) / n * nbytes * 8, best))  # ring allreduce: bits each rank sends, time
-        if len(pts) >= 2 and best >= PROBE_ENOUGH_S:
+        if _enough(len(pts), best):
             break
     (x0, t0), (x1, t1) = pts[0], pts[-1]
     per_bit = max((t1 - t0) / max(x1 - x0, 1.0), 1e-15)
     alpha = max(0.0, (t0 - per_bit * x0) / (2 * (n - 1)))
-    return alpha, 1.0 / per_bit
+    return LinkProbe(alpha, 1.0 / per_bit, noise)
+
+
+def _enough(sizes: int, best_s: float) -> bool:
+    """The probe's stopping rule: two sizes at least, and the last one took :data:`PROBE_ENOUGH_S`."""
+    return sizes >= 2 and best_s >= PROBE_ENOUGH_S
+
+
+def modelled_probe_bytes(n: int, latency_s: float, bandwidth_bps: float) -> int:
+    """Bytes one of ``n`` ranks sends in :func:`probe_link` on a link of this latency and
+    bandwidth: the same sizes (the stopping rule on the modelled α–β time of each), each
+    :data:`PROBE_REPEATS` ring allreduces of it and one 8-byte agreement. ``sim`` takes its link
+    from the model and counts these bytes, so that its runs report what a real probe would cost."""
+    if n <= 1:
+        return 0
+    link, total = cost.Link(bandwidth_bps, latency_s), 0
+    for i, nbytes in enumerate(PROBE_BYTES):
+        total += PROBE_REPEATS * cost.allreduce_bytes(nbytes, n) + cost.allreduce_bytes(8, n)
+        if _enough(i + 1, cost.allreduce_time(nbytes, n, link)):
+            break
+    return total
 
 
 def time_codecs(candidates: Sequence[str], buckets: Sequence[tuple[int, Sequence[torch.Size]]],
@@ -132,45 +166,3 @@ def make_plan(auto: AutoSpec, shapes: tuple[BucketShape, ...], n: int, latency: 
     return plan_buckets(auto, shapes, work, cl, codecs)
 
 
-def plan_record(step: int, reason: str, latency: float, bandwidth: float, probe_bytes: int, compute: float,
-                p: AutoPlan, measured_comm: float, opt_s: float = 0.0) -> dict[str, Any]:
-    """One line of ``policy.jsonl`` (the fields :mod:`gradzip.engine.auto` documents). ``opt_s``:
-    the optimizer step's measured time, which the plan leaves out (the same for every candidate)
-    and the predicted step times include, so that they compare with ``metrics.jsonl``'s ``step_s``."""
-    return {"step": step, "reason": reason, "latency_s": latency, "bandwidth_bps": bandwidth,
-            "probe_bytes": int(probe_bytes), "compute_s": compute, "opt_s": opt_s, "predicted_step_s": p.step_s + opt_s,
-            "predicted_comm_s": p.comm_s, "measured_comm_s": measured_comm,
-            "fixed_step_s": {c: t + opt_s for c, t in p.fixed.items()},
-            "none_is_best": p.none_is_best,
-            "buckets": [{"bucket": i, "numel": k, "candidate": c} for i, (c, k) in enumerate(zip(p.choice, p.numels))]}
-
-
-def policy_summary(chosen: list[str], plans: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``auto_*`` fields of ``summary.json``: plans made, buckets per candidate (``chosen``:
-    each bucket's, in the user's spelling), and whether the last plan found ``none`` best."""
-    counts: dict[str, int] = {}
-    for c in chosen:
-        counts[c] = counts.get(c, 0) + 1
-    none_best = bool(plans and plans[-1]["none_is_best"])
-    out: dict[str, Any] = {"auto_plans": len(plans), "auto_choice": counts, "auto_none_is_best": none_best}
-    if none_best:
-        out["auto_note"] = "no candidate was predicted faster than none on this link: buckets went uncompressed"
-    return out
-
-
-class PolicyLog:
-    """``policy.jsonl``: appended one plan per line; ``path=None`` writes nothing (ranks other than 0)."""
-
-    def __init__(self, path: str | Path | None) -> None:
-        self.path = Path(path) if path is not None else None
-
-    def append(self, rec: dict[str, Any]) -> None:
-        if self.path is not None:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
-
-    def cut_after(self, step: int) -> None:
-        """A resumed run: the plans made after its checkpoint go (the steps will be run again)."""
-        if self.path is not None and self.path.is_file():
-            keep = [r for r in read_jsonl(self.path) if isinstance(r, dict) and r.get("step", 0) <= step]
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
