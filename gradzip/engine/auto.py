@@ -97,6 +97,11 @@ class AutoEngine:
     def last_schedule(self) -> list[Any]:
         return self.engine.last_schedule
 
+    eval_on_every_rank = False  # a replicated model evaluates on rank 0
+
+    def fp32_bytes(self, n_params: int) -> int:
+        return self.engine.fp32_bytes(n_params)
+
     def worker(self, wid: int) -> contextlib.AbstractContextManager[Communicator]:
         return self.engine.worker(wid)
 
