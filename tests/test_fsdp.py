@@ -20,7 +20,7 @@ from torch import nn
 import gradzip
 from gradzip.comm import spawn_local
 from gradzip.compress import create
-from gradzip.engine.fsdp_ef import LowPrecisionEF
+from gradzip.compress.ef import ErrorFeedback
 from gradzip.errors import GradzipError
 
 HERE = Path(__file__).resolve().parent
@@ -117,7 +117,7 @@ def test_bad_input_is_one_line(spec: str, model: object, kw: dict, words: str) -
 
 def test_low_precision_memory_keeps_the_residual() -> None:
     """compensated == transmitted + memory, up to the memory's rounding; half of fp32's bytes."""
-    ef = LowPrecisionEF(create("topk:ratio=0.25"), torch.bfloat16)
+    ef = ErrorFeedback(create("topk:ratio=0.25"), memory_dtype=torch.bfloat16)
     g = torch.randn(64, generator=torch.Generator().manual_seed(1))
     payload, ctx = ef.compress_batch([g], "k")
     sent = ef.decompress_batch(payload, ctx)[0]

@@ -16,14 +16,21 @@ when the reduced payload is decoded. Both leave the same mean residual over rank
 of the local Qs is the reduced Q; per rank, the invariant then holds against the reduced result.
 
 The memory is kept in fp32 whatever the gradient's dtype, so that small residuals of bf16/fp16
-gradients are not rounded away; the output is cast back to the gradient's dtype.
+gradients are not rounded away; the output is cast back to the gradient's dtype. ``memory_dtype``
+(``ErrorFeedback(inner, memory_dtype=torch.bfloat16)``, what ``fsdp_compress(ef_dtype=...)``
+builds) stores it in a lower precision instead, half of fp32's bytes: steps 1-4 still run in fp32,
+in a temporary of the bucket's size, and step 4 rounds the new residual into the stored memory
+(what that dtype cannot hold of the residual is lost; non-finite entries, an fp16 overflow
+included, become 0 at the next step).
 
 Steps that may be undone (:meth:`Compressor.begin_step`; the engine opens one per step so that a
 step with a non-finite gradient on any rank is skipped everywhere): the memory is double-buffered.
 Step 1 writes ``gradient + memory`` into a second buffer instead of into the memory (the same
 passes as in place), so keeping the step is a swap of the two and undoing it costs nothing. The
 price is a second fp32 buffer of the compressed gradients' size per worker. Callers that never
-open a step (the DDP hook) get the in-place update and a single buffer.
+open a step (the DDP hook) get the in-place update and a single buffer. With ``memory_dtype`` the
+two buffers are of that dtype, and a step writes its rounded residual into the second one: no step
+copies the memory, and undoing it leaves the memory untouched.
 Spelling: ``"topk:ratio=0.01,ef=true"``.
 """
 
@@ -56,6 +63,7 @@ class _EFCtx:
     dtypes: list[torch.dtype]
     round: int = 0
     flat: Tensor | None = None  # the buffer behind ``compensated``
+    store: Tensor | None = None  # memory_dtype: the low-precision buffer the residual is rounded into
 
 
 def _unalias(payload: Payload, buffers: Sequence[Tensor]) -> Payload:
@@ -66,12 +74,16 @@ def _unalias(payload: Payload, buffers: Sequence[Tensor]) -> Payload:
 
 
 class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
-    """Wraps ``inner``; holds one fp32 residual list per key. Takes the inner compressor's optional
-    paths (:mod:`gradzip.compress.fastpaths`) where it has them, else the core path."""
+    """Wraps ``inner``; holds one residual list per key, in ``memory_dtype`` (fp32 by default; a
+    floating dtype). Takes the inner compressor's optional paths (:mod:`gradzip.compress.fastpaths`)
+    where it has them, else the core path."""
 
-    def __init__(self, inner: Compressor) -> None:
+    def __init__(self, inner: Compressor, memory_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(inner.config)
+        if not memory_dtype.is_floating_point:
+            raise ValueError(f"error feedback: memory_dtype must be a floating dtype, got {memory_dtype}")
         self.inner = inner
+        self.memory_dtype = memory_dtype
         self.memory: dict[str, list[Tensor]] = {}  # per key: views of self._flat[key]
         self._flat: dict[str, Tensor] = {}
         # An open step (begin_step): key -> (flat, views) holding this step's new memory, and
@@ -103,49 +115,64 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
 
 
     def _memory_for(self, key: str, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """This key's residuals: fp32 views of one flat buffer (so batching compressors such as
-        PowerSGD see neighbouring matrices, and flatten() needs no copy), on the tensors' device."""
+        """This key's residuals: ``memory_dtype`` views of one flat buffer (so batching compressors
+        such as PowerSGD see neighbouring matrices, and flatten() needs no copy), on the tensors' device."""
         mem = self.memory.get(key)
         device = tensors[0].device if tensors else torch.device("cpu")
         same_shapes = mem is not None and [m.shape for m in mem] == [t.shape for t in tensors]
         if same_shapes and (not mem or mem[0].device == device):
             return mem  # type: ignore[return-value]
-        flat = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float32, device=device)
+        flat = torch.zeros(sum(t.numel() for t in tensors), dtype=self.memory_dtype, device=device)
         if same_shapes and mem:  # e.g. loaded on the CPU, training on CUDA: keep the residual
             flat.copy_(flatten(mem))
         mem = unflatten(flat, [t.shape for t in tensors])
         self.memory[key], self._flat[key] = mem, flat
         return mem
 
-    def _working(self, key: str, tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def _working(self, key: str, tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], Tensor | None]:
         """Step 1: compensated = gradient + memory, in the buffer that will hold the new residual:
-        the memory itself, or in an open step its spare twin (the memory stays as it was)."""
+        the memory itself, or in an open step its spare twin (the memory stays as it was). With a
+        low-precision ``memory_dtype``, compensated is an fp32 temporary instead, and the third
+        value is the buffer that the residual is rounded into (else None)."""
         mem = self._memory_for(key, tensors)
-        if self._pending is None or key in self._pending:
-            flat, views = (self._flat[key], mem) if self._pending is None else self._pending[key]
+        fresh = self._pending is not None and key not in self._pending  # the step's first use of key
+        if fresh:
+            self._pending[key] = self._spare_for(key, mem)  # type: ignore[index]
+        flat, views = (self._flat[key], mem) if self._pending is None else self._pending[key]
+        if self.memory_dtype != torch.float32:
+            work = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+            works = unflatten(work, [m.shape for m in mem])
+            for w, m, t in zip(works, mem if fresh else views, tensors):
+                w.copy_(m).add_(t)  # in fp32: the memory's conversion is exact
+            return work, works, flat
+        if fresh:
+            for o, m, t in zip(views, mem, tensors):
+                torch.add(m, t, out=o)
+        else:
             for m, t in zip(views, tensors):
                 m.add_(t)
-            return flat, views
+        return flat, views, None
+
+    def _spare_for(self, key: str, mem: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """The second buffer of ``key`` (that of an earlier step when it still fits), for a step's
+        new residual."""
         flat, views = self._spare.pop(key, (None, []))
-        if flat is None or flat.device != self._flat[key].device or \
+        if flat is None or flat.device != self._flat[key].device or flat.dtype != self._flat[key].dtype or \
                 [v.shape for v in views] != [m.shape for m in mem]:
             flat = torch.empty_like(self._flat[key])
             views = unflatten(flat, [m.shape for m in mem])
-        for o, m, t in zip(views, mem, tensors):
-            torch.add(m, t, out=o)
-        self._pending[key] = (flat, views)
         return flat, views
 
     @torch.no_grad()
     def compress_batch(self, tensors: Sequence[Tensor], key: str = "") -> tuple[Payload, Any]:
         # The working buffers become the compensated gradient in place (no per-step allocation)
         # and go back to holding the residual in _update_memory.
-        flat, mem = self._working(key, tensors)
+        flat, mem, store = self._working(key, tensors)
         fused = self.inner.compress_subtract_batch(flat, [m.shape for m in mem], key) \
             if self.inner.rounds == 1 and isinstance(self.inner, CompressSubtract) else None
         payload, inner_ctx = fused if fused is not None else self.inner.compress_batch(mem, key)
         payload = _unalias(payload, mem)
-        ctx = _EFCtx(inner_ctx, key, mem, [t.dtype for t in tensors], flat=flat)
+        ctx = _EFCtx(inner_ctx, key, mem, [t.dtype for t in tensors], flat=flat, store=store)
         if self.inner.rounds == 1:
             self._update_memory(payload, ctx, subtracted=fused is not None)
         return payload, ctx
@@ -154,7 +181,7 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
     def next_round_batch(self, reduced: Payload, ctx: Any) -> tuple[Payload, Any]:
         payload, inner_ctx = self.inner.next_round_batch(reduced, ctx.inner)
         payload = _unalias(payload, ctx.compensated)
-        ctx = _EFCtx(inner_ctx, ctx.key, ctx.compensated, ctx.dtypes, ctx.round + 1, ctx.flat)
+        ctx = _EFCtx(inner_ctx, ctx.key, ctx.compensated, ctx.dtypes, ctx.round + 1, ctx.flat, ctx.store)
         if ctx.round == self.inner.rounds - 1 and not self.residual_from_output:
             self._update_memory(payload, ctx)
         return payload, ctx
@@ -179,7 +206,9 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
         # unless that is done or the payload proves the compensated gradient finite (one pass saved).
         if not cleaned and not (isinstance(inner, ProvesFinite) and inner.sent_proves_finite_batch(payload, ctx.inner)):
             ctx.flat.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        ctx.compensated = ctx.flat = None
+        if ctx.store is not None:  # memory_dtype: round the fp32 residual into the stored memory
+            ctx.store.copy_(ctx.flat)
+        ctx.compensated = ctx.flat = ctx.store = None
 
     def decompress_batch(self, payload: Payload, ctx: Any) -> list[Tensor]:
         out = self.inner.decompress_batch(payload, ctx.inner)
@@ -191,7 +220,7 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
     def credit(self, key: str, indices: Tensor, values: Tensor) -> None:
         # Values the exchange dropped were subtracted from the memory as sent: add them back.
         flat = self._pending[key][0] if self._pending and key in self._pending else self._flat[key]
-        flat.index_add_(0, indices.to(flat.device), values.to(torch.float32))
+        flat.index_add_(0, indices.to(flat.device), values.to(flat.dtype))
 
     def begin_step(self) -> None:
         self.end_step(keep=True)  # a step left open is kept, as it would be without transactions
@@ -230,7 +259,7 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
         return None if mem is None else list(mem)
 
     def set_residuals(self, key: str, tensors: Sequence[Tensor]) -> None:
-        flat = flatten(tensors).to(torch.float32, copy=True) if tensors else torch.zeros(0)
+        flat = flatten(tensors).to(self.memory_dtype, copy=True) if tensors else torch.zeros(0, dtype=self.memory_dtype)
         self.memory[key], self._flat[key] = unflatten(flat, [t.shape for t in tensors]), flat
         self._spare.pop(key, None)
 
@@ -249,4 +278,4 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
         self.memory, self._flat, self._spare = {}, {}, {}
         self._pending = None if self._pending is None else {}
         for key, mems in state.get("memory", {}).items():
-            self.set_residuals(key, mems)
+            self.set_residuals(key, [mems] if isinstance(mems, Tensor) else mems)  # a flat memory as one tensor

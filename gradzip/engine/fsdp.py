@@ -16,7 +16,7 @@ Two placements, chosen by ``replicate``:
   1. compress each chunk ``j`` of the input under the key ``<module>/<j>`` (with the error memory
      of that key when the spec has ``ef=true``: one memory the size of the input per module);
   2. an alltoall sends chunk ``j``'s payload to rank ``j`` (the first half of the ``twophase``
-     scheme, :mod:`gradzip.engine.schemes`);
+     scheme: :class:`gradzip.engine.schemes.ReduceScatterExchange` does steps 1-4);
   3. rank ``j`` combines the n payloads of its shard: compressors whose payloads sum elementwise
      (``collective == "allreduce"``: ``none``, ``fp16``, ``bf16``, random-k) average the payloads
      and decode once; the others (sign codes, top-k, quantisers) decode each payload and combine
@@ -42,7 +42,11 @@ Two placements, chosen by ``replicate``:
   that group. Error memory is kept per shard. With ``none`` it equals native HSDP.
 
 Error feedback (``ef=true``) keeps its memory in fp32; ``ef_dtype=torch.bfloat16`` keeps it in
-bf16 instead (:class:`gradzip.engine.fsdp_ef.LowPrecisionEF`), half the memory.
+bf16 instead (:class:`gradzip.compress.ef.ErrorFeedback`'s ``memory_dtype``), half the memory.
+
+Everything is installed through ``FSDPModule``'s public setters; the reads of torch's private FSDP
+state that remain (the setters' base classes, each module's parameter group, and the communication
+that :meth:`FSDPCompression.remove` restores) live in :mod:`gradzip.engine.fsdp_compat`.
 
 Gradient accumulation needs nothing: under ``set_requires_gradient_sync(False)`` FSDP calls
 neither hook, so compression happens once per optimizer step. Every collective goes through a
@@ -66,28 +70,20 @@ from gradzip.comm.torch_backend import TorchCommunicator
 from gradzip.compress.base import Compressor, unflatten
 from gradzip.compress.ef import ErrorFeedback
 from gradzip.compress.registry import create
-from gradzip.engine.exchange import pack, unpack
-from gradzip.engine.fsdp_ef import LowPrecisionEF
+from gradzip.engine.fsdp_compat import FSDPUnit, ReduceScatter, fsdp_units, is_fsdp_module
 from gradzip.engine.handshake import check_agreement, fingerprint
-from gradzip.engine.schemes import SchemeState
+from gradzip.engine.schemes import ReduceScatterExchange, SchemeState
 from gradzip.errors import GradzipError, SpecError
-
-try:  # FSDP2; its custom-collective interface is not exported publicly in torch 2.13
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
-except ImportError:  # pragma: no cover - torch without FSDP2's custom collectives
-    FSDPModule = None  # type: ignore[assignment,misc]
-    _ReduceScatterBase = object  # type: ignore[assignment,misc]
 
 _AVG, _SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
 
 
-class _GradzipReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
+class _GradzipReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     """FSDP's reduce-scatter for one FSDP module, through gradzip (see the module docstring)."""
 
-    def __init__(self, owner: FSDPCompression, key: str, param_group: Any) -> None:
-        self.owner, self.key, self.param_group = owner, key, param_group
-        self.shapes = [fp.padded_sharded_param_size for fp in param_group.fsdp_params]
+    def __init__(self, owner: FSDPCompression, unit: FSDPUnit) -> None:
+        self.owner, self.unit, self.key = owner, unit, unit.key
+        self.shapes = unit.shard_shapes
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -96,7 +92,7 @@ class _GradzipReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type
                  async_op: bool = False) -> None:
         t0 = time.perf_counter()
         comm = self.owner._comm_for(group)
-        mean_scale, sum_scale = _scales(op, comm.world_size, self.param_group.gradient_divide_factor)
+        mean_scale, sum_scale = _scales(op, comm.world_size, self.unit.divide_factor)
         if chunkable(self.owner.compressor):
             out = self.owner._reduce_chunks(comm, input_tensor, self.key, mean_scale, sum_scale)
         else:
@@ -124,7 +120,12 @@ class FSDPCompression:
     ``bytes_sent``: this rank's bytes through gradzip's collectives (counted as the engine counts
     them, by :mod:`gradzip.comm.cost`); ``stats``: per collective, ``calls`` and ``bytes``;
     ``state_dict()``/``load_state_dict()``: the compressor's state (error memory, counters);
-    ``remove()``: FSDP's own collectives again."""
+    ``remove()``: FSDP's own collectives again.
+
+    For a synchroniser on top (:class:`gradzip.engine.fsdp_sync.FSDPSync`): ``units``, the FSDP
+    modules served (:class:`gradzip.engine.fsdp_compat.FSDPUnit`, in the model's order);
+    ``communicators``, gradzip's communicators (their ``stats`` count its traffic); ``hsdp``,
+    ``exchange`` and ``shard_size``; ``reduce_s`` and ``nonfinite``."""
 
     def __init__(self, model: nn.Module, spec: str, replicate: Any = None,
                  ef_dtype: torch.dtype | None = None, timeout: float = 300.0,
@@ -135,25 +136,26 @@ class FSDPCompression:
         self._spec_in = spec
         self.spec = self.compressor.spec
         self.ef_dtype = ef_dtype
-        self._units = _fsdp_units(model)
+        self.units: list[FSDPUnit] = _fsdp_units(model)
         self._comms: list[tuple[Any, TorchCommunicator]] = []
         self._scheme: SchemeState | None = None  # HSDP's replica all-reduce
         self._rs_schemes: dict[int, SchemeState] = {}  # 1-D, compressors that are not chunkable: per group
         self._removed = False
-        again = [k for k, pg in self._units if isinstance(pg._reduce_scatter_comm, _GradzipReduceScatter)
-                 or pg._all_reduce_hook is not None]
+        self._saved = [u.installed() for u in self.units]  # what remove() restores
+        again = [u.key for u, now in zip(self.units, self._saved)
+                 if isinstance(now.reduce_scatter, _GradzipReduceScatter) or now.all_reduce_hook is not None]
         if again:
             raise GradzipError(f"fsdp_compress: module {again[0]!r} already has gradzip (or another all-reduce hook) "
                                "attached; call remove() on the first one before attaching again")
-        hsdp = [k for k, pg in self._units if pg._is_hsdp]
+        hsdp = [u.key for u in self.units if u.native_hsdp]
         if hsdp:
             raise GradzipError(f"fsdp_compress: module {hsdp[0]!r} is sharded with native HSDP (a 2-D mesh); "
                                "shard over the intra-node mesh and pass replicate=<the replica group>")
         rgroup = _replica_group(replicate)
         if rgroup is not None:
-            _check_replicas(self._units, rgroup)
-        for _key, pg in self._units:  # adopt each group once, in the modules' order (the same on every rank)
-            group = rgroup if rgroup is not None else _rs_group(pg)
+            _check_replicas(self.units, rgroup)
+        for unit in self.units:  # adopt each group once, in the modules' order (the same on every rank)
+            group = rgroup if rgroup is not None else unit.shard_group
             if not any(g is group for g, _ in self._comms):
                 self._comms.append((group, TorchCommunicator.adopt(group, timeout=timeout)))
         self._agree(rgroup is not None, agree or {})
@@ -161,19 +163,43 @@ class FSDPCompression:
             self._scheme = SchemeState(self.compressor, self._comms[0][1])
         elif not chunkable(self.compressor):
             self._rs_schemes = {i: SchemeState(self.compressor, comm) for i, (_, comm) in enumerate(self._comms)}
-        self._saved = [(pg._reduce_scatter_comm, pg._all_reduce_hook) for _, pg in self._units]
-        for key, pg in self._units:
+        for unit in self.units:  # FSDP2's public setters
             if rgroup is None:
-                pg._reduce_scatter_comm = _GradzipReduceScatter(self, key, pg)
+                unit.module.set_custom_reduce_scatter(_GradzipReduceScatter(self, unit))  # type: ignore[operator]
             else:
-                pg._all_reduce_hook = self._replica_hook(key, [fp.padded_sharded_param_size for fp in pg.fsdp_params])
+                unit.module.set_all_reduce_hook(self._replica_hook(unit.key, unit.shard_shapes))  # type: ignore[operator]
+
+    # -- what a synchroniser reads -------------------------------------------------------
+    @property
+    def communicators(self) -> list[TorchCommunicator]:
+        """gradzip's communicators (one per process group it reduces over), in adoption order."""
+        return [comm for _, comm in self._comms]
+
+    @property
+    def hsdp(self) -> bool:
+        """True when gradzip all-reduces across replicas (``replicate=``), False for 1-D FSDP."""
+        return self._scheme is not None
+
+    @property
+    def exchange(self) -> str:
+        """The exchange of the compressed gradients: HSDP's replica scheme (``allreduce``,
+        ``twophase``, ...), or under 1-D FSDP ``reduce-scatter`` (chunkable compressors) or the
+        compressor's own exchange."""
+        if self._scheme is not None:
+            return self._scheme.scheme
+        return "reduce-scatter" if chunkable(self.compressor) else self.compressor.exchange
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each parameter is sharded over."""
+        return int(self.units[0].shard_group.size()) if self.units else 1
 
     def _agree(self, hsdp: bool, agree: dict[str, Any]) -> None:
         """One line on every rank unless all ranks passed the same spec, options, FSDP modules and
         caller's settings ``agree`` (else payloads would not match). Its bytes are start-up, not
         gradient traffic: not counted."""
         doc = fingerprint([], self.spec, {"ef_dtype": str(self.ef_dtype), "hsdp": hsdp},
-                          {"fsdp modules": [k for k, _ in self._units], **agree})
+                          {"fsdp modules": [u.key for u in self.units], **agree})
         try:
             for _, comm in self._comms:
                 check_agreement([comm], [doc])
@@ -196,31 +222,8 @@ class FSDPCompression:
     def _reduce_chunks(self, comm: Communicator, flat: Tensor, key: str, mean_scale: float,
                        sum_div: float | None) -> Tensor:
         """This rank's chunk of the reduced ``flat`` (steps 1-4 of the module docstring)."""
-        c, n, r = self.compressor, comm.world_size, comm.rank
         self._check_finite(flat)
-        chunks = flat.reshape(n, -1)
-        rows, mine = [], None
-        for j in range(n):
-            payload, ctx = c.compress_batch([chunks[j]], f"{key}/{j}")
-            if j == r:  # every rank's chunk r decodes with this rank's context of chunk r
-                mine = (payload, ctx)
-            rows.append(pack(payload))
-        assert mine is not None
-        got = comm.alltoall(torch.stack(rows))
-        payloads = [unpack(row, mine[0]) for row in got]
-        if c.identity:  # the payload is the gradient: sum it and divide once, as the backend would
-            total = payloads[0][0].clone()
-            for p in payloads[1:]:
-                total += p[0]
-            return total.div_(sum_div) if sum_div is not None else total
-        if c.collective == "allreduce":  # payloads average elementwise: decode the mean once
-            mean = tuple(torch.stack([p[i] for p in payloads]).sum(0).div_(n) for i in range(len(mine[0])))
-            out = c.decompress_batch(mean, mine[1])[0]
-        else:  # a decode may reuse its buffer: copy each before the next
-            parts = [c.decompress_batch(p, mine[1])[0].clone() for p in payloads]
-            out = c.aggregate(parts)
-        out = out.reshape(-1)
-        return out.mul_(mean_scale) if mean_scale != 1.0 else out
+        return _run(ReduceScatterExchange(self.compressor, comm, [flat], key, (mean_scale, sum_div)))[0]
 
     @torch.no_grad()
     def _reduce_whole(self, comm: Communicator, flat: Tensor, key: str, shapes: list[torch.Size],
@@ -235,11 +238,7 @@ class FSDPCompression:
         per = len(shapes) if c.per_tensor and sum(s.numel() for s in shapes) == rows.shape[1] else 0
         tensors = [t for j in range(n) for t in unflatten(rows[j], shapes)] if per else list(rows)
         scheme = next(self._rs_schemes[i] for i, (_, cm) in enumerate(self._comms) if cm is comm)
-        ex = scheme.exchange(c, tensors, f"{key}/all")
-        ex.start()
-        while not ex.advance():
-            pass
-        res = ex.result()
+        res = _run(scheme.exchange(c, tensors, f"{key}/all"))
         mine = torch.cat([t.reshape(-1) for t in res[r * per:(r + 1) * per]]) if per else res[r].reshape(-1)
         return mine.mul(mean_scale) if mean_scale != 1.0 else mine.clone()
 
@@ -254,12 +253,8 @@ class FSDPCompression:
             tensors = [reduce_output]
             if self.compressor.per_tensor and sum(s.numel() for s in shapes) == reduce_output.numel():
                 tensors = unflatten(reduce_output, shapes)
-            ex = self._scheme.exchange(self.compressor, tensors, f"{key}/replica")
             with torch.no_grad():
-                ex.start()
-                while not ex.advance():
-                    pass
-                for t, out in zip(tensors, ex.result()):
+                for t, out in zip(tensors, _run(self._scheme.exchange(self.compressor, tensors, f"{key}/replica"))):
                     if out.data_ptr() != t.data_ptr():
                         t.copy_(out)
             self.reduce_s += time.perf_counter() - t0
@@ -311,8 +306,7 @@ class FSDPCompression:
     def _shape(self) -> list[int]:
         """The mesh this state belongs to: [shard group size, replica group size]."""
         if self._scheme is not None:
-            shard = _rs_group(self._units[0][1]).size() if self._units else 1
-            return [int(shard), self._comms[0][1].world_size]
+            return [self.shard_size, self._comms[0][1].world_size]
         return [self._comms[0][1].world_size if self._comms else 1, 1]
 
     def state_dict(self) -> dict[str, Any]:
@@ -344,12 +338,16 @@ class FSDPCompression:
             raise GradzipError(f"fsdp_compress: this state does not fit compressor {self.spec!r}: {e}") from None
 
     def remove(self) -> None:
-        """FSDP's own reduce-scatter and all-reduce hook again; closes gradzip's communicators."""
+        """FSDP's own reduce-scatter (1-D) or all-reduce hook (HSDP) again, through the same public
+        setters, given what each module had at attach time; closes gradzip's communicators."""
         if self._removed:
             return
         self._removed = True
-        for (_, pg), (rs, hook) in zip(self._units, self._saved):
-            pg._reduce_scatter_comm, pg._all_reduce_hook = rs, hook
+        for unit, was in zip(self.units, self._saved):
+            if self._scheme is None:
+                unit.module.set_custom_reduce_scatter(was.reduce_scatter)  # type: ignore[operator]
+            else:
+                unit.module.set_all_reduce_hook(was.all_reduce_hook)  # type: ignore[operator]
         for _, comm in self._comms:
             comm.close()
 
@@ -371,47 +369,39 @@ def _build(spec: str, ef_dtype: torch.dtype | None) -> Compressor:
         if comp.per_tensor:
             raise GradzipError(f"fsdp_compress: ef_dtype={ef_dtype} is not supported with {comp.name}, whose "
                                "memory is kept per matrix; drop ef_dtype")
-        comp = LowPrecisionEF(comp.inner, ef_dtype)
+        comp = ErrorFeedback(comp.inner, memory_dtype=ef_dtype)
     return comp
 
 
-def _fsdp_units(model: nn.Module) -> list[tuple[str, Any]]:
-    """(key, FSDP parameter group) of every FSDP module of ``model`` that manages parameters."""
-    if FSDPModule is None:
-        raise GradzipError("fsdp_compress needs torch's FSDP2 (torch.distributed.fsdp.fully_shard)")
+def _run(ex: Any) -> list[Tensor]:
+    """Run an exchange to its end on this rank (each round waits for the others)."""
+    ex.start()
+    while not ex.advance():
+        pass
+    return ex.result()
+
+
+def _fsdp_units(model: nn.Module) -> list[FSDPUnit]:
+    """The FSDP modules of ``model`` that manage parameters (:func:`gradzip.engine.fsdp_compat.fsdp_units`)."""
     if not isinstance(model, nn.Module):
         raise GradzipError(f"fsdp_compress: model must be an nn.Module, got {type(model).__name__}")
-    units = []
-    for name, m in model.named_modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        groups = m._get_fsdp_state()._fsdp_param_groups
-        if len(groups) > 1:
-            raise GradzipError(f"fsdp_compress: module {name or 'root'!r} has several FSDP parameter groups "
-                               "(per-parameter meshes), which one custom reduce-scatter cannot serve")
-        # fully_shard([a, b]) gives several modules one group: register it once, under the first name
-        units.extend((name or "root", pg) for pg in groups if not any(pg is q for _, q in units))
-    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+    units = fsdp_units(model)
+    if not any(is_fsdp_module(m) for m in model.modules()):
         raise GradzipError("fsdp_compress: the model has no FSDP module; call "
                            "torch.distributed.fsdp.fully_shard on it (and its submodules) first")
     return units
 
 
-def _check_replicas(units: list[tuple[str, Any]], rgroup: Any) -> None:
+def _check_replicas(units: list[FSDPUnit], rgroup: Any) -> None:
     """HSDP: a shard group and the replica group share this rank alone (else the gradient would be
     averaged twice over the same ranks)."""
     me, replicas = dist.get_rank(), set(dist.get_process_group_ranks(rgroup))
-    for key, pg in units:
-        shard = set(dist.get_process_group_ranks(_rs_group(pg)))
+    for unit in units:
+        shard = set(dist.get_process_group_ranks(unit.shard_group))
         if shard & replicas != {me}:
-            raise GradzipError(f"fsdp_compress: module {key!r} is sharded over global ranks {sorted(shard)}, which "
-                               f"overlap the replica group {sorted(replicas)}; shard over the intra-node mesh "
+            raise GradzipError(f"fsdp_compress: module {unit.key!r} is sharded over global ranks {sorted(shard)}, "
+                               f"which overlap the replica group {sorted(replicas)}; shard over the intra-node mesh "
                                "(fully_shard(mesh=mesh['shard'])) and replicate over the other dimension")
-
-
-def _rs_group(pg: Any) -> Any:
-    info = pg.mesh_info
-    return getattr(info, "reduce_scatter_process_group", None) or info.shard_process_group
 
 
 def _replica_group(replicate: Any) -> Any:

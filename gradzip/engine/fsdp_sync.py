@@ -20,6 +20,9 @@ Bytes are counted per rank and per collective, as the engine counts them (ring c
 counted by a pass-through wrapper of FSDP's own all-gather), ``reduce_scatter`` (1-D FSDP: gradzip's
 chunked alltoall in place of the reduce-scatter; HSDP: FSDP's exact reduce-scatter inside the node,
 counted from its input size) and ``allreduce`` (HSDP: gradzip's compressed all-reduce across the replicas).
+The counting wrappers are installed with ``FSDPModule.set_custom_all_gather`` (and, under HSDP,
+``set_custom_reduce_scatter``) and removed the same way by :meth:`FSDPSync.detach`; only
+:class:`FSDPCompression`'s public attributes are read.
 """
 
 from __future__ import annotations
@@ -33,17 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradzip.cluster.sharded import chunkable
 from gradzip.comm.cost import allreduce_bytes, reduce_scatter_bytes
-from gradzip.engine.fsdp import FSDPCompression, _rs_group
+from gradzip.engine.fsdp import FSDPCompression
+from gradzip.engine.fsdp_compat import AllGather, ReduceScatter
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import OptimizerStep
-
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
-except ImportError:  # pragma: no cover - torch without FSDP2's custom collectives
-    _AllGatherBase = _ReduceScatterBase = object  # type: ignore[assignment,misc]
 
 
 class _Counted:
@@ -54,7 +51,7 @@ class _Counted:
         self.calls = 0
 
 
-class _CountingAllGather(_AllGatherBase):  # type: ignore[misc,valid-type]
+class _CountingAllGather(AllGather):  # type: ignore[misc,valid-type]
     """FSDP's own all-gather, unchanged, with this rank's bytes counted: (n−1)·input, a ring's."""
 
     def __init__(self, inner: Any, counter: _Counted) -> None:
@@ -70,7 +67,7 @@ class _CountingAllGather(_AllGatherBase):  # type: ignore[misc,valid-type]
         return self.inner(output_tensor, input_tensor, group, async_op=async_op)
 
 
-class _CountingReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
+class _CountingReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     """FSDP's own reduce-scatter (HSDP's, inside the node), unchanged, with its bytes counted."""
 
     def __init__(self, inner: Any, counter: _Counted) -> None:
@@ -96,27 +93,27 @@ class FSDPSync:
         self.model, self.comp = model, comp
         self.worker_ids = [rank]
         self.spec = comp.spec
-        self.hsdp = comp._scheme is not None
+        self.hsdp = comp.hsdp
         self.last_schedule: list[Any] = []
         self._gathered, self._scattered = _Counted(), _Counted()
-        self._saved = [(pg._all_gather_comm, pg._reduce_scatter_comm) for _, pg in comp._units]
-        for _, pg in comp._units:
-            pg._all_gather_comm = _CountingAllGather(pg._all_gather_comm, self._gathered)
+        self._saved = [u.installed() for u in comp.units]  # what detach() restores
+        for unit, was in zip(comp.units, self._saved):
+            unit.module.set_custom_all_gather(_CountingAllGather(was.all_gather, self._gathered))  # type: ignore[operator]
             if self.hsdp:  # the intra-node reduce-scatter stays FSDP's own: count it
-                pg._reduce_scatter_comm = _CountingReduceScatter(pg._reduce_scatter_comm, self._scattered)
+                unit.module.set_custom_reduce_scatter(  # type: ignore[operator]
+                    _CountingReduceScatter(was.reduce_scatter, self._scattered))
         self._t0 = time.perf_counter()
         self._mark = self._marks()
 
     @property
     def exchange(self) -> str:
-        if self.comp._scheme is not None:  # HSDP: the replica all-reduce's scheme
-            return self.comp._scheme.scheme
-        return "reduce-scatter" if chunkable(self.comp.compressor) else self.comp.compressor.exchange
+        """HSDP: the replica all-reduce's scheme; 1-D: ``reduce-scatter`` or the compressor's own."""
+        return self.comp.exchange
 
     @property
     def shard_size(self) -> int:
         """Ranks each parameter is sharded over."""
-        return int(_rs_group(self.comp._units[0][1]).size()) if self.comp._units else 1
+        return self.comp.shard_size
 
     eval_on_every_rank = True  # the Synchronizer protocol: a sharded forward needs every rank
 
@@ -134,7 +131,7 @@ class FSDPSync:
 
     def _marks(self) -> dict[str, float]:
         """Cumulative counters this rank's step figures are differences of."""
-        comms = [c for _, c in self.comp._comms]
+        comms = self.comp.communicators
         return {"allgather": self._gathered.bytes, "gradzip": sum(c.stats.bytes_sent for c in comms),
                 "recv": sum(c.stats.bytes_recv for c in comms), "scatter": self._scattered.bytes,
                 "link_s": sum(c.stats.seconds for c in comms), "reduce_s": self.comp.reduce_s}
@@ -173,7 +170,7 @@ class FSDPSync:
         comm_s = min(d["link_s"], d["reduce_s"])
         return StepStats(compute_s=max(0.0, step_s - d["reduce_s"]), compress_s=d["reduce_s"] - comm_s,
                          comm_s=comm_s, bytes_sent=sent, bytes_recv=int(d["recv"] + d["allgather"] + rs * self.hsdp),
-                         step_s=step_s, clock="measured", link_s=d["link_s"], buckets=len(self.comp._units),
+                         step_s=step_s, clock="measured", link_s=d["link_s"], buckets=len(self.comp.units),
                          intra_bytes_sent=sent - by["allreduce"] if self.hsdp else 0,
                          nonfinite=int(self.comp.nonfinite > 0), by_collective=by)
 
@@ -195,6 +192,8 @@ class FSDPSync:
         self.comp.load_state_dict(state["fsdp"])
 
     def detach(self) -> None:
-        for (_, pg), (ag, rs) in zip(self.comp._units, self._saved):
-            pg._all_gather_comm, pg._reduce_scatter_comm = ag, rs
+        for unit, was in zip(self.comp.units, self._saved):
+            unit.module.set_custom_all_gather(was.all_gather)  # type: ignore[operator]
+            if self.hsdp:
+                unit.module.set_custom_reduce_scatter(was.reduce_scatter)  # type: ignore[operator]
         self.comp.remove()

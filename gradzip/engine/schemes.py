@@ -21,6 +21,10 @@ A compressor's spec picks one of the schemes its class declares (``schemes``), e
   server's second compression adds error (kept in the server memory under EF); chunking also
   changes per-bucket statistics into per-chunk ones (one ``onebit`` scale per chunk).
 
+- the compressed reduce-scatter (:class:`ReduceScatterExchange`): steps 1-3 of ``twophase``
+  alone, each rank keeping its combined chunk (FSDP's reduce-scatter, :mod:`gradzip.engine.fsdp`;
+  not a spec's scheme, since its result is a chunk rather than the bucket).
+
 - ``sparse`` (:class:`gradzip.engine.gtopk.SparseExchange`): gTop-k for top-k payloads, a
   recursive-doubling reduction that keeps k entries at every level: 8k·log2(n) bytes per rank.
 
@@ -122,21 +126,32 @@ class SchemeState:
             raise ValueError(f"scheme {self.scheme} keeps no state but got keys {sorted(state)}")
 
 
-class TwoPhaseExchange:
-    """One bucket's compressed allreduce (see the module docstring). Same interface as
-    :class:`~gradzip.engine.exchange.Exchange`; two rounds: the alltoall, then the allgather."""
+class ReduceScatterExchange:
+    """One bucket's compressed reduce-scatter: steps 1-3 of ``twophase`` (module docstring), one
+    round, with this rank's combined chunk as the result. Same interface as
+    :class:`~gradzip.engine.exchange.Exchange`.
 
-    rounds = 2
+    Rank j combines the n payloads of its chunk: a lossless payload (``identity``: the gradient
+    itself) is summed and divided once by ``sum_div`` (None: not divided), as a backend's
+    reduce-scatter does; payloads that average elementwise (``collective == "allreduce"``) are
+    averaged and decoded once; the others are decoded one by one and combined by the compressor's
+    ``aggregate`` (the mean; signSGD's majority vote), and those two are multiplied by
+    ``mean_scale``. ``scale=(mean_scale, sum_div)``; None gives the mean, ``(1.0, n)``.
+    ``result()``: ``[chunk]``, this rank's flat chunk of ceil(numel/n) elements (a bucket whose size
+    n does not divide is zero-padded at its end)."""
 
-    def __init__(self, compressor: Compressor, server: Compressor, comm: Communicator,
-                 tensors: Sequence[Tensor], key: str) -> None:
-        self.compressor, self.server, self.comm = compressor, server, comm
+    rounds = 1
+
+    def __init__(self, compressor: Compressor, comm: Communicator, tensors: Sequence[Tensor], key: str,
+                 scale: tuple[float, float | None] | None = None) -> None:
+        self.compressor, self.comm = compressor, comm
         self.tensors = list(tensors)
         self.shapes = [t.shape for t in self.tensors]
         self.key = key
+        self.scale = scale if scale is not None else (1.0, float(comm.world_size))
         self.round = 0
         self.compress_s = 0.0
-        self.link_s = [0.0, 0.0]
+        self.link_s = [0.0] * self.rounds
         self._handle: Handle | None = None
         self._result: list[Tensor] | None = None
 
@@ -172,17 +187,69 @@ class TwoPhaseExchange:
         self.compress_s += self.comm.work_time() - t0
         self._handle = self.comm.alltoall_async(send)
 
+    def _wait(self) -> list[Tensor]:
+        """This round's received rows (one per rank), its link time added to ``link_s``."""
+        assert self._handle is not None, "advance() before start()"
+        (got,) = wait_all([self._handle], self.link_s, self.round)
+        return got
+
+    def _decoded(self, got: list[Tensor]) -> list[Tensor]:
+        """Every rank's payload of this rank's chunk, decoded. A decoded tensor may be a buffer
+        that the next decode of the key reuses (casts): each is copied."""
+        c = self.compressor
+        return [c.decompress_batch(unpack(row, self._mine), self._ctx)[0].clone() for row in got]
+
     def advance(self) -> bool:
         if self._result is not None:
             return True
-        c = self.compressor
-        assert self._handle is not None, "advance() before start()"
-        (got,) = wait_all([self._handle], self.link_s, self.round)
+        got = self._wait()
+        t0 = self.comm.work_time()
+        self._result = [self._combine(got)]
+        self.compress_s += self.comm.work_time() - t0
+        return True
+
+    def _combine(self, got: list[Tensor]) -> Tensor:
+        c, n = self.compressor, self.comm.world_size
+        mean_scale, sum_div = self.scale
+        if c.identity:  # the payload is the gradient: sum it and divide once, as the backend would
+            total = unpack(got[0], self._mine)[0].clone()
+            for row in got[1:]:
+                total += unpack(row, self._mine)[0]
+            return total.div_(sum_div) if sum_div is not None else total
+        if c.collective == "allreduce":  # payloads average elementwise: decode the mean once
+            payloads = [unpack(row, self._mine) for row in got]
+            mean = tuple(torch.stack([p[i] for p in payloads]).sum(0).div_(n) for i in range(len(self._mine)))
+            out = c.decompress_batch(mean, self._ctx)[0]
+        else:
+            out = c.aggregate(self._decoded(got))
+        out = out.reshape(-1)
+        return out.mul_(mean_scale) if mean_scale != 1.0 else out
+
+    def result(self) -> list[Tensor]:
+        if self._result is None:
+            raise RuntimeError(f"{type(self).__name__}.result() before the exchange finished")
+        return self._result
+
+
+class TwoPhaseExchange(ReduceScatterExchange):
+    """One bucket's compressed allreduce (see the module docstring). Same interface as
+    :class:`~gradzip.engine.exchange.Exchange`; two rounds: the alltoall of
+    :class:`ReduceScatterExchange`, then the allgather of the server's compressed shards."""
+
+    rounds = 2
+
+    def __init__(self, compressor: Compressor, server: Compressor, comm: Communicator,
+                 tensors: Sequence[Tensor], key: str) -> None:
+        super().__init__(compressor, comm, tensors, key)
+        self.server = server
+
+    def advance(self) -> bool:
+        if self._result is not None:
+            return True
+        got = self._wait()
         t0 = self.comm.work_time()
         if self.round == 0:
-            # A decoded tensor may be a buffer that the next decode of the key reuses (casts): copy.
-            parts = [c.decompress_batch(unpack(row, self._mine), self._ctx)[0].clone() for row in got]
-            shard = c.aggregate(parts)
+            shard = self.compressor.aggregate(self._decoded(got))
             payload, self._sctx = self.server.compress_batch([shard], f"{self.key}/server")
             self._smine = payload
             self.round = 1
@@ -197,8 +264,3 @@ class TwoPhaseExchange:
         self._result = unflatten(flat, self.shapes) if len(self.shapes) > 1 else [flat.view(self.shapes[0])]
         self.compress_s += self.comm.work_time() - t0
         return True
-
-    def result(self) -> list[Tensor]:
-        if self._result is None:
-            raise RuntimeError("TwoPhaseExchange.result() before the exchange finished")
-        return self._result
