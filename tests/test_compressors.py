@@ -227,6 +227,22 @@ def test_spec_round_trip(spec):
     assert type(create(c.spec)) is type(c)
 
 
+def test_the_core_contract_has_at_most_16_public_methods():
+    """``Compressor``'s own body stays small: at most 16 public methods (the step undo and residual
+    family lives in the ``ResidualState`` mixin, which every compressor still inherits)."""
+    from gradzip.compress.base import Compressor, ResidualState
+
+    own = [k for k, v in vars(Compressor).items()
+           if not k.startswith("_") and callable(v) and not isinstance(v, (type, property))]
+    assert len(own) <= 16, sorted(own)
+    family = ("begin_step", "end_step", "residuals", "set_residuals", "forget")
+    assert not set(family) & set(own) and all(k in vars(ResidualState) for k in family)
+    assert issubclass(Compressor, ResidualState)
+    for name, cls in registry().items():  # every registered compressor keeps the whole contract
+        assert all(callable(getattr(cls, k, None)) for k in (*own, *family)), name
+    assert isinstance(vars(Compressor)["spec"], property)
+
+
 def _field_cases():
     for name, cls in registry().items():
         hints = typing.get_type_hints(cls.Config)

@@ -6,6 +6,7 @@ spelling's one-line error."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from torch import nn
 import gradzip
 from gradzip.cli import main
 from gradzip.comm.sim import SimWorld
+from gradzip.compress.base import unflatten
 from gradzip.errors import GradzipError, SpecError
 from gradzip.plan.sync import parse_sync
 from gradzip.training.metrics import read_metrics
@@ -226,6 +228,124 @@ def test_api_refuses_what_it_cannot_honour():
     # with the default 25 MiB cap the 4 layers fit in one bucket, yet 4 fragments are made
     d = gradzip.DiLoCo(m, inner, torch.optim.SGD(m.parameters(), lr=1.0), SimWorld(2), 4, fragments=4)
     assert [len(f) for f in d.fragments] == [1, 1, 1, 1]
+
+
+# ---------------------------------------------------------------------- sim: each worker's inner optimizer
+def _replica(d: gradzip.DiLoCo, w: int, m: nn.Module) -> bool:
+    """Worker w's parameters in d equal m's, bit for bit."""
+    return all(torch.equal(d.replicas[w][bi], torch.cat([m.get_parameter(n).detach().reshape(-1) for n in b.names]))
+               for bi, b in enumerate(d.buckets))
+
+
+@pytest.mark.parametrize("kind", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_sim_with_foreach_adamw_equals_one_optimizer_per_worker(kind):
+    """Each simulated worker owns its inner state (a foreach or fused AdamW, an LR schedule that changes
+    lr every step): DiLoCo on sim gives, bit for bit, what N separate models with an AdamW each give
+    when they are set to θ_global at every sync; the moments carry over the syncs, per worker."""
+    n, h = 2, 3
+    model = Layers()
+    refs = [Layers() for _ in range(n)]
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, **kind)
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0 / (1 + s))
+    ref_opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, **kind) for m in refs]
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    d = gradzip.DiLoCo(model, inner, outer, SimWorld(n), h, bucket_cap_mb=0.005)
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 3 * h):
+        xs = [torch.randn(16, 48, generator=g) for _ in range(n)]
+        lr = schedule.get_last_lr()[0]
+        for w in d.worker_ids:
+            with d.worker(w):
+                model(xs[w]).square().mean().backward()
+                inner.step()
+        schedule.step()
+        for m, opt, x in zip(refs, ref_opts, xs):
+            opt.param_groups[0]["lr"] = lr
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+        if step % h == 0:  # the sync: every worker goes on from θ_global
+            assert not _replica(d, 0, refs[0])
+            with torch.no_grad():
+                for m in refs:
+                    for b, flat in zip(d.buckets, d.global_):
+                        for name, v in zip(b.names, unflatten(flat, b.shapes)):
+                            m.get_parameter(name).copy_(v)
+        assert all(_replica(d, w, m) for w, m in enumerate(refs)), step
+    assert inner.param_groups[0]["lr"] == schedule.get_last_lr()[0] == 1e-2 / (3 * h)
+
+
+class _Watched(torch.optim.AdamW):
+    """AdamW that records each attribute gradzip's code assigns on it (its own and torch's code,
+    load_state_dict included, may do as they please)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.startswith(str(Path(gradzip.__file__).parent) + os.sep):
+            self.__dict__.setdefault("assigned", []).append(f"{name} from {caller}")
+        super().__setattr__(name, value)
+
+
+def test_sim_swaps_inner_state_only_through_the_optimizers_own_api():
+    """DiLoCo never assigns an attribute of the inner optimizer (no ``inner.state = ...``): every
+    swap of a worker's state, a checkpoint and a resume go through ``state_dict`` and
+    ``load_state_dict``, whose hooks run each time; the workers' states stay apart."""
+    model = Layers()
+    inner = _Watched(model.parameters(), lr=1e-2, foreach=True)
+    loads: list[int] = []
+    inner.register_load_state_dict_post_hook(lambda opt: loads.append(1))
+    d = gradzip.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=1.0), SimWorld(2), 2, "intk:bits=4",
+                       bucket_cap_mb=0.005)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for w in d.worker_ids:
+            with d.worker(w):
+                model(torch.randn(8, 48, generator=g)).square().mean().backward()
+                inner.step()
+    assert len(loads) == 6  # one load per worker and step
+    buf = io.BytesIO()
+    torch.save(d.state_dict(), buf)
+    model2 = Layers()
+    inner2 = _Watched(model2.parameters(), lr=1e-2, foreach=True)
+    d2 = gradzip.DiLoCo(model2, inner2, torch.optim.SGD(model2.parameters(), lr=1.0), SimWorld(2), 2, "intk:bits=4",
+                        bucket_cap_mb=0.005)
+    d2.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert "assigned" not in vars(inner) and "assigned" not in vars(inner2), vars(inner).get("assigned")
+    moments = []
+    for dd, opt in ((d, inner), (d2, inner2)):
+        for w in dd.worker_ids:
+            with dd.worker(w):
+                moments.append([opt.state[p]["exp_avg"].clone() for p in dd.params])
+    same = [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(moments[:2], moments[2:])]
+    assert same == [True, True]  # the resumed run holds each worker's own state
+    assert not all(torch.equal(a, b) for a, b in zip(moments[0], moments[1]))  # worker 0's is not worker 1's
+
+
+def test_sim_refuses_an_inner_optimizer_whose_load_changes_its_state():
+    """torch's load_state_dict casts state to the parameters' dtype: an optimizer that keeps fp32
+    state for bf16 parameters cannot have its workers' states swapped through it (one-line error)."""
+
+    class Fp32Momentum(torch.optim.Optimizer):
+        def __init__(self, params: object) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure: object = None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    m = self.state[p].setdefault("m", torch.zeros_like(p, dtype=torch.float32))
+                    p.sub_(m.add_(p.grad.float()).to(p.dtype), alpha=group["lr"])
+
+    model = Layers().to(torch.bfloat16)
+    inner = Fp32Momentum(model.parameters())
+    d = gradzip.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=1.0), SimWorld(2), 4)
+    for w in d.worker_ids:
+        with d.worker(w):
+            model(torch.ones(2, 48, dtype=torch.bfloat16)).float().square().mean().backward()
+            inner.step()
+    with pytest.raises(GradzipError, match="turns worker 0's state 'm' from torch.float32 into torch.bfloat16"):
+        with d.worker(0):
+            pass
 
 
 # ---------------------------------------------------------------------- gradzip train

@@ -85,7 +85,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -104,10 +104,52 @@ class NoConfig:
     """Config of a compressor without parameters."""
 
 
-class Compressor(ABC):
+class ResidualState:
+    """The step-undo and residual part of the compressor contract, inherited by
+    :class:`Compressor` (so every compressor has it, and overrides what it keeps differently:
+    :class:`ReplacedState`, :class:`KeyCounters`, error feedback). The defaults suit a compressor
+    whose whole state is its ``state_dict()``: undo by snapshot, no error memory, nothing to forget."""
+
+    if TYPE_CHECKING:  # given by the Compressor this is mixed into
+        def state_dict(self) -> dict[str, Any]: ...
+
+        def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    # The engine skips a step on every rank when some rank's gradient is not finite; the state
+    # updates of that step (error memory, Q, counters) must then not happen either.
+    def begin_step(self) -> None:
+        """Open a step whose state updates :meth:`end_step` may undo. Default: remember a
+        ``state_dict()`` snapshot (cheap for small states: Q, counters); error feedback instead
+        double-buffers its memory, so that neither outcome costs a copy."""
+        self._undo = self.state_dict()
+
+    def end_step(self, keep: bool) -> None:
+        """Close the step opened by :meth:`begin_step`: keep its state updates, or undo them.
+        Without an open step (a caller that never calls ``begin_step``) it does nothing."""
+        undo = self.__dict__.pop("_undo", None)
+        if not keep and undo is not None:
+            self.load_state_dict(undo)
+
+    # A caller whose buckets change (DDP rebuilds its buckets after the first step) moves each
+    # parameter's residual to its new key and frees the old keys.
+    def residuals(self, key: str) -> list[Tensor] | None:
+        """The error memory of ``key``, one tensor per tensor of the bucket (views), or None
+        (no memory for it, or a compressor without memory)."""
+        return None
+
+    def set_residuals(self, key: str, tensors: Sequence[Tensor]) -> None:
+        """Make ``tensors`` (copied) the error memory of ``key``. Compressors without memory ignore it."""
+
+    def forget(self, key: str) -> None:
+        """Drop every state entry of ``key`` (the key itself and its sub-keys ``key/...``)."""
+
+
+class Compressor(ResidualState, ABC):
     """The core contract: the capabilities below, ``compress``, ``decompress`` and ``payload_bytes``
     (abstract), and, where the compressor has them, several rounds (``next_round``), its own way of
     combining the ranks' decodes (``aggregate``) and state (``state_dict``, ``load_state_dict``).
+    The step undo and the residual moves (``begin_step`` ... ``forget``) come from
+    :class:`ResidualState`.
 
     Algorithm of one step, on every rank, as the exchange runs it for one bucket:
 
@@ -185,34 +227,6 @@ class Compressor(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"{self.name} is stateless but got state keys {sorted(state)}")
-
-    # The engine skips a step on every rank when some rank's gradient is not finite; the state
-    # updates of that step (error memory, Q, counters) must then not happen either.
-    def begin_step(self) -> None:
-        """Open a step whose state updates :meth:`end_step` may undo. Default: remember a
-        ``state_dict()`` snapshot (cheap for small states: Q, counters); error feedback instead
-        double-buffers its memory, so that neither outcome costs a copy."""
-        self._undo = self.state_dict()
-
-    def end_step(self, keep: bool) -> None:
-        """Close the step opened by :meth:`begin_step`: keep its state updates, or undo them.
-        Without an open step (a caller that never calls ``begin_step``) it does nothing."""
-        undo = self.__dict__.pop("_undo", None)
-        if not keep and undo is not None:
-            self.load_state_dict(undo)
-
-    # A caller whose buckets change (DDP rebuilds its buckets after the first step) moves each
-    # parameter's residual to its new key and frees the old keys.
-    def residuals(self, key: str) -> list[Tensor] | None:
-        """The error memory of ``key``, one tensor per tensor of the bucket (views), or None
-        (no memory for it, or a compressor without memory)."""
-        return None
-
-    def set_residuals(self, key: str, tensors: Sequence[Tensor]) -> None:
-        """Make ``tensors`` (copied) the error memory of ``key``. Compressors without memory ignore it."""
-
-    def forget(self, key: str) -> None:
-        """Drop every state entry of ``key`` (the key itself and its sub-keys ``key/...``)."""
 
     # ----------------------------------------------------------------- a bucket (provided)
     # What the engine calls. Here the bucket is one flat tensor through the methods above; a

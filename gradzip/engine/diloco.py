@@ -28,10 +28,13 @@ Use (one process per rank; the user's loop is unchanged, a step post-hook does t
         model(**batch).loss.backward(); inner.step(); inner.zero_grad()
 
 With a :class:`SimWorld`, one process hosts every worker: run each worker's step inside
-``with diloco.worker(w):`` (its replica is swapped into the model and its inner optimizer state into
-``inner``); the sync runs once every worker stepped. Memory per rank: one copy of the parameters
-(θ_global), the outer optimizer's state (one more copy for momentum) and the compressor's error
-memory (one more copy with ``ef=true``); ``sim`` adds N replicas and N inner optimizer states.
+``with diloco.worker(w):`` (its replica is swapped into the model, and its inner optimizer state into
+``inner`` through ``inner.load_state_dict``, never by assigning the optimizer's internals: fused and
+foreach optimizers and state-dict hooks see what they expect; the param groups, the LR schedule's lr
+among them, are shared by the workers); the sync runs once every worker stepped. Memory per rank:
+one copy of the parameters (θ_global), the outer optimizer's state (one more copy for momentum) and
+the compressor's error memory (one more copy with ``ef=true``); ``sim`` adds N replicas and N inner
+optimizer states.
 
 Contract: the outer optimizer must be built over the model's parameters; inner gradients are left
 in place (other tensors' ``.grad`` is restored after the outer step). DDP's per-step allreduce does
@@ -41,7 +44,6 @@ not apply: do not wrap the model in DDP or attach the per-step engine as well.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,15 +58,13 @@ from gradzip.compress.base import flatten, unflatten
 from gradzip.compress.bitpack import empty
 from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
-from gradzip.engine.handshake import broadcast_state, check_agreement, fingerprint
-from gradzip.engine.hierarchical import HierarchicalScheme
 from gradzip.engine.outer_step import fusable, fused_sgd_step
-from gradzip.engine.schemes import SchemeState
+from gradzip.engine.startup import fingerprint_options, hosted, start_up
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import OptimizerStep
 from gradzip.errors import GradzipError, SpecError
-from gradzip.plan.buckets import Bucket, MiB, assign_buckets, fragment_cap, split_fragments
-from gradzip.plan.sync import SyncSpec, parse_sync
+from gradzip.plan.buckets import Bucket, MiB, fragment_cap, split_fragments
+from gradzip.plan.sync import parse_sync
 
 
 @dataclass
@@ -104,8 +104,7 @@ class DiLoCo:
             raise GradzipError("DiLoCo replaces DDP's per-step allreduce: pass the module itself "
                                "(model.module), not the DistributedDataParallel wrapper")
         self.model, self.inner, self.outer = model, inner_optimizer, outer_optimizer
-        self.sim = isinstance(comm, SimWorld)
-        self.comms: list[Communicator] = list(comm.comms) if isinstance(comm, SimWorld) else [comm]
+        self.sim, self.comms = hosted(comm)
         self._now = self.comms[0].work_time  # wall time, or sim's CPU time
         base = create(compressor)
         self.spec = base.spec
@@ -116,27 +115,27 @@ class DiLoCo:
             raise GradzipError("DiLoCo: the outer optimizer must be built over the model's parameters "
                                "(e.g. torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True))")
         total = sum(p.numel() * p.element_size() for p in self.params)
-        cap = fragment_cap(total, max(1, int(bucket_cap_mb * MiB)), self.sync.fragments)
-        self.buckets: list[Bucket] = assign_buckets(named, cap, min_compress_numel, separate_small=not base.identity)
-        self.fragments = split_fragments([b.numel for b in self.buckets], self.sync.fragments)
-        options = {"bucket_cap_mb": bucket_cap_mb, "min_compress_numel": min_compress_numel,
-                   "hierarchical": hierarchical, "intra_dtype": intra_dtype, "sync": str(self.sync),
-                   "alpha": self.alpha}
-        check_agreement(self.comms, [fingerprint(named, self.spec, options, agree)] * len(self.comms))
-        state = [p for _, p in model.named_parameters()] + [b for b in model.buffers() if b.is_floating_point()]
-        broadcast_state(self.comms, state, cap, shared=self.sim)
-        self.compressors = [base] + [create(self.spec) for _ in self.comms[1:]]
-        self.schemes = [HierarchicalScheme(c, m, _intra(intra_dtype)) if hierarchical else SchemeState(c, m)
-                        for c, m in zip(self.compressors, self.comms)]
-        for s in self.schemes:
-            s.bind()
+        options = {**fingerprint_options(bucket_cap_mb, min_compress_numel, hierarchical, intra_dtype),
+                   "sync": str(self.sync), "alpha": self.alpha}
+        self.fragments: list[list[int]] = []
+
+        def split(buckets: list[Bucket]) -> None:  # before any collective: e.g. too few buckets
+            self.fragments = split_fragments([b.numel for b in buckets], self.sync.fragments)
+
+        start = start_up(model, base, self.comms, sim=self.sim, named=named, min_compress_numel=min_compress_numel,
+                         cap_bytes=fragment_cap(total, max(1, int(bucket_cap_mb * MiB)), self.sync.fragments),
+                         options=options, agree=agree, hierarchical=hierarchical, intra_dtype=intra_dtype,
+                         on_plan=split)
+        self.buckets: list[Bucket] = start.buckets
+        self.compressors, self.schemes = start.compressors, start.schemes
         self._plain = NoCompression()
         self._per_tensor = base.per_tensor
         with torch.no_grad():
             self.global_ = [_flat(b).clone() for b in self.buckets]
             # sim: every worker's parameters and inner optimizer state between syncs
             self.replicas = [[g.clone() for g in self.global_] for _ in self.comms] if self.sim else []
-        self.inner_states: list[Any] = [defaultdict(dict) for _ in self.comms] if self.sim else []
+        # sim: each worker's inner optimizer state, as the "state" of the optimizer's own state_dict()
+        self.inner_states: list[dict[Any, Any]] = [{} for _ in self.comms] if self.sim else []
         self.step = 0
         self._current: int | None = None
         self._stepped: set[int] = set()
@@ -173,7 +172,8 @@ class DiLoCo:
     @contextlib.contextmanager
     def worker(self, wid: int) -> Iterator[Communicator]:
         """Sim: run worker ``wid``'s inner step inside (its parameters and inner optimizer state are
-        swapped in, and out again after). Real backends: ``wid`` is the rank; nothing to swap.
+        swapped in, and out again after; the state through the optimizer's ``load_state_dict`` and
+        ``state_dict``). Real backends: ``wid`` is the rank; nothing to swap.
         Zeroes the model's ``.grad`` on entry."""
         i = self.worker_ids.index(wid)
         if self._t_step is None:
@@ -183,14 +183,15 @@ class DiLoCo:
         if not self.sim:
             yield self.comms[i]
             return
+        self._swap_in(i)
         self._current = i
         _load(self.buckets, self.replicas[i])
-        self.inner.state = self.inner_states[i]
         try:
             yield self.comms[i]
         finally:
             self._current = None
             _store(self.buckets, self.replicas[i])
+            self._swap_out(i)
         if self._hook is not None and len(self._stepped) == len(self.comms):
             self._stepped.clear()
             self.after_inner_step()
@@ -263,7 +264,8 @@ class DiLoCo:
         }
         if self.sim:
             sd["replicas"] = [[t.clone() for t in rep] for rep in self.replicas]
-            sd["inner"] = [self._inner_sd(i) for i in range(len(self.comms))]
+            sd["inner"] = [{"state": st, "param_groups": self.inner.state_dict()["param_groups"]}
+                           for st in self.inner_states]
         else:
             sd["replicas"] = [[_flat(b).clone() for b in self.buckets]]
             sd["inner"] = [self.inner.state_dict()]
@@ -293,9 +295,8 @@ class DiLoCo:
                 for t, v in zip(rep, s):
                     t.copy_(v)
             for i, s in enumerate(sd["inner"]):
-                self.inner.state = self.inner_states[i]
-                self.inner.load_state_dict(s)
-                self.inner_states[i] = self.inner.state
+                self.inner.load_state_dict(s)  # torch's casts to the parameters' devices apply here
+                self._swap_out(i)
             _load(self.buckets, self.replicas[0])
         else:
             _load(self.buckets, sd["replicas"][0])
@@ -314,9 +315,29 @@ class DiLoCo:
         elif self._current is not None:
             self._stepped.add(self._current)
 
-    def _inner_sd(self, i: int) -> dict[str, Any]:
-        self.inner.state = self.inner_states[i]
-        return self.inner.state_dict()
+    def _swap_in(self, i: int) -> None:
+        """Sim: make worker i's inner optimizer state the optimizer's, through its own
+        ``load_state_dict`` (its hooks run; fused and foreach steps see a state they
+        built themselves). The param groups stay the ones it holds: the LR schedule's lr and every
+        other group setting are the same for all workers, as the one optimizer steps them all."""
+        mine = self.inner_states[i]
+        self.inner.load_state_dict({"state": mine, "param_groups": self.inner.state_dict()["param_groups"]})
+        if not mine:
+            return
+        # torch casts loaded state to its parameter's dtype: a swap must give back what it took.
+        now = self.inner.state_dict()["state"]
+        for k, entry in mine.items():
+            for name, v in entry.items() if isinstance(entry, dict) else ():
+                w = now.get(k, {}).get(name) if isinstance(now.get(k), dict) else None
+                if isinstance(v, Tensor) and isinstance(w, Tensor) and w.dtype != v.dtype:
+                    raise GradzipError(
+                        f"DiLoCo on sim: {type(self.inner).__name__}.load_state_dict turns worker {i}'s state "
+                        f"{name!r} from {v.dtype} into {w.dtype}, so the workers' inner states cannot be swapped "
+                        "through it; use an optimizer whose state keeps its parameters' dtype, or a real backend")
+
+    def _swap_out(self, i: int) -> None:
+        """Sim: keep the optimizer's state (its ``state_dict()``'s, the live tensors) as worker i's."""
+        self.inner_states[i] = self.inner.state_dict()["state"]
 
     def _delta(self, i: int, bi: int) -> Tensor:
         """Worker i's pseudo-gradient θ_global − θ_local of bucket bi (a new flat tensor, one pass)."""
@@ -459,13 +480,6 @@ class LocalSGD(DiLoCo):
         super().__init__(model, optimizer, outer, comm, sync_every, compressor, **kwargs)
 
 
-def outer_sgd(model: torch.nn.Module, sync: SyncSpec) -> torch.optim.Optimizer:
-    """The outer optimizer a ``--sync`` spec asks for: SGD (Nesterov when momentum > 0)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.SGD(params, lr=sync.outer_lr, momentum=sync.momentum, nesterov=sync.nesterov,
-                           foreach=True)
-
-
 def _flat(b: Bucket) -> Tensor:
     return flatten([p.detach() for p in b.params]).clone() if len(b.params) > 1 else b.params[0].detach().reshape(-1)
 
@@ -483,8 +497,3 @@ def _store(buckets: list[Bucket], flats: list[Tensor]) -> None:
         for p, dst in zip(b.params, unflatten(v, b.shapes)):
             dst.copy_(p.reshape(dst.shape))
 
-
-def _intra(name: str) -> torch.dtype | None:
-    from gradzip.engine.engine import INTRA_DTYPES
-
-    return INTRA_DTYPES[name]

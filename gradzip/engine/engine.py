@@ -74,17 +74,15 @@ from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import Compressor, unflatten
 from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
-from gradzip.engine.config import INTRA_DTYPES, EngineConfig
+from gradzip.engine.config import EngineConfig
 from gradzip.engine.exchange import Exchange
-from gradzip.engine.handshake import start_up
-from gradzip.engine.hierarchical import HierarchicalScheme
-from gradzip.engine.schemes import SchemeState
+from gradzip.engine.startup import fingerprint_options, hosted, start_up
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import ExchangePlan, OptimizerStep, ShapesExchange
 from gradzip.engine.timing import step_stats
 from gradzip.engine.worker import _Hook, _Worker, write_back
 from gradzip.errors import GradzipError
-from gradzip.plan.buckets import Bucket, MiB, assign_buckets
+from gradzip.plan.buckets import Bucket, MiB
 
 
 class Engine:
@@ -94,28 +92,30 @@ class Engine:
                  config: EngineConfig | None = None) -> None:
         self.model = model
         self.config = config if config is not None else EngineConfig()
-        if isinstance(comm, SimWorld):
-            self.sim, comms = True, list(comm.comms)
-        elif isinstance(comm, Communicator):
-            self.sim, comms = False, [comm]
-        else:
-            raise GradzipError(f"attach: expected a Communicator or a SimWorld, got {type(comm).__name__}")
+        self.sim, comms = hosted(comm, "attach")
         # Local work is timed on the communicator's clock: wall time, or sim's CPU time (comm.work_time).
         self._now = comms[0].work_time
         base = create(compressor)
         self.spec = base.spec
-        # One compressor (one state: error memory, PowerSGD's Q) per worker.
-        compressors = [base] + [create(self.spec) for _ in comms[1:]]
         named = list(model.named_parameters())
         self._trainable = [p for _, p in named if p.requires_grad]
         if not self._trainable:
             raise GradzipError("attach: the model has no parameters with requires_grad=True")
-        cap = max(1, int(self.config.bucket_cap_mb * MiB))
-        self.buckets = assign_buckets(named, cap, self.config.min_compress_numel,
-                                      separate_small=not base.identity)
+        cfg = self.config
+        # Buckets, the ranks' agreement, rank 0's state, a compressor and a scheme per worker.
+        start = start_up(model, base, comms, sim=self.sim, named=named, cap_bytes=max(1, int(cfg.bucket_cap_mb * MiB)),
+                         min_compress_numel=cfg.min_compress_numel, check=cfg.check, broadcast=cfg.broadcast,
+                         options=fingerprint_options(cfg.bucket_cap_mb, cfg.min_compress_numel, cfg.hierarchical,
+                                                     cfg.intra_dtype),
+                         agree=cfg.agree, hierarchical=cfg.hierarchical, intra_dtype=cfg.intra_dtype)
+        self.buckets = start.buckets
         self._empty = [p for p in self._trainable if p.numel() == 0]
         self._plain = NoCompression()
-        self._workers = [_Worker(c.rank, c, comp, self.buckets) for c, comp in zip(comms, compressors)]
+        # Built after the start-up: each worker's stats snapshot leaves start-up traffic out of step 1.
+        self._workers = [_Worker(c.rank, c, comp, self.buckets) for c, comp in zip(comms, start.compressors)]
+        for w, scheme in zip(self._workers, start.schemes):
+            w.scheme = scheme
+            w.stateful = [w.compressor] + [c for c in w.scheme.compressors() if c is not w.compressor]
         self._current: _Worker | None = None
         self._no_sync = False
         # Optimizer-level compression (1-bit Adam/LAMB): exchange uncompressed while False, and a
@@ -129,18 +129,6 @@ class Engine:
         # its schedule (sim: the virtual clock's; real: this rank's measured), see cluster.schedule.
         self.last_timings: list[BucketTiming] = []
         self.last_schedule: list[Span] = []
-
-        start_up(comms, model, self.spec, self.config, cap, shared=self.sim)
-        # The exchange scheme's own state (server memory, sub-communicators): may split the
-        # communicator, so only once every rank agreed on the settings.
-        for w in self._workers:
-            w.scheme = (HierarchicalScheme(w.compressor, w.comm, INTRA_DTYPES[self.config.intra_dtype])
-                        if self.config.hierarchical else SchemeState(w.compressor, w.comm))
-        for w in self._workers:  # after every worker's splits (sim binds them once all have split)
-            w.scheme.bind()
-            w.stateful = [w.compressor] + [c for c in w.scheme.compressors() if c is not w.compressor]
-        for w in self._workers:
-            w.snap = w.comm.stats.snapshot()  # start-up traffic is not part of step 1
 
         self._hooks = [p.register_post_accumulate_grad_hook(_Hook(functools.partial(self._on_grad, b.index, i)))
                        for b in self.buckets for i, p in enumerate(b.params)]

@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from gradzip.comm.base import Communicator
-from gradzip.engine.config import EngineConfig
 from gradzip.errors import GradzipError
 from gradzip.plan.buckets import coalesce
 
@@ -96,17 +95,3 @@ def broadcast_state(comms: Sequence[Communicator], tensors: Sequence[Tensor], ca
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-
-def start_up(comms: Sequence[Communicator], model: torch.nn.Module, spec: str, config: EngineConfig, cap_bytes: int,
-             shared: bool) -> None:
-    """What every rank does before its hooks exist: compare the fingerprint of ``model``, ``spec`` and
-    the engine's settings (``config.check``), then take rank 0's parameters and floating-point
-    buffers (``config.broadcast``)."""
-    named = list(model.named_parameters())
-    if config.check:
-        options = {"bucket_cap_mb": config.bucket_cap_mb, "min_compress_numel": config.min_compress_numel,
-                   "hierarchical": config.hierarchical, "intra_dtype": config.intra_dtype}
-        check_agreement(comms, [fingerprint(named, spec, options, config.agree)] * len(comms))
-    if config.broadcast:
-        state = [p for _, p in named] + [b for b in model.buffers() if b.is_floating_point()]
-        broadcast_state(comms, state, cap_bytes, shared=shared)

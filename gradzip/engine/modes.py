@@ -137,10 +137,12 @@ def _build_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target
 def _build_outer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any,
                  s: SyncSettings) -> Synchronizer:
     """DiLoCo and LocalSGD: the inner optimizer steps on local gradients, syncs every H steps."""
-    from gradzip.engine.diloco import DiLoCo, outer_sgd
+    from gradzip.engine.diloco import DiLoCo
 
-    sync = s.sync
-    return DiLoCo(model, optimizer, outer_sgd(model, sync), target, sync.every, s.spec, sync.fragments,
+    sync = s.sync  # the outer optimizer: SGD, Nesterov when momentum > 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    outer = torch.optim.SGD(params, lr=sync.outer_lr, momentum=sync.momentum, nesterov=sync.nesterov, foreach=True)
+    return DiLoCo(model, optimizer, outer, target, sync.every, s.spec, sync.fragments,
                   sync.delay, sync.alpha, **_engine_kwargs(s), hook=False)
 
 
