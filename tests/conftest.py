@@ -82,9 +82,27 @@ def user_cache() -> Path:
     return USER_CACHE
 
 
+# `pytest -m quick`: the subset to run while iterating (about 4 minutes on 2 cores): the compressor
+# contract, the configuration and its bad input, the sync-mode registry, and one distributed smoke
+# test per backend (sim, gloo, mpi). The full suite stays the CI's (`.ci/run`).
+QUICK = (
+    "tests/test_core.py::", "tests/test_compressors.py::", "tests/test_bad_input.py::", "tests/test_comm_sim.py::",
+    "tests/test_train.py::test_config_from_dict_is_strict", "tests/test_train.py::test_toml_round_trip",
+    "tests/test_train.py::test_bad_config_file_is_one_line_error", "tests/test_models.py::test_bad_config",
+    "tests/test_sync_modes.py::test_every_registered_mode_serves_the_protocol_on_sim",
+    "tests/test_sync_modes.py::test_make_synchronizer_is_a_lookup",
+    "tests/test_comm_backends.py::test_gloo_2_ranks_and_peer_death",
+    "tests/test_comm_backends.py::test_mpi_2_ranks_and_peer_death",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that starts processes or opens sockets (marked `distributed` or `root`) keeps a
-    timeout of its own, so a hang fails within minutes with the rank's name, not at the default."""
+    timeout of its own, so a hang fails within minutes with the rank's name, not at the default.
+    The tests of :data:`QUICK` get the `quick` marker."""
+    for item in items:
+        if item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.quick)
     def starts_processes(item: pytest.Item) -> bool:
         return bool(item.get_closest_marker("distributed") or item.get_closest_marker("root"))
 

@@ -42,3 +42,55 @@ def test_no_private_name_is_imported_from_another_package():
                 if private and theirs != own:
                     found.append(f"{p.relative_to(REPO)}: {node.module} {private}")
     assert not found, found
+
+
+def _own_private_names() -> set[str]:
+    """Private attribute names that gradzip's own classes set on ``self`` or declare in a body."""
+    names: set[str] = set()
+    for p in _modules():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and ast.unparse(node.value) in (
+                    "self", "cls"):
+                names.add(node.attr)
+            elif isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    for t in getattr(stmt, "targets", [getattr(stmt, "target", None)]):
+                        if isinstance(t, ast.Name):
+                            names.add(t.id)
+    return names
+
+
+def test_no_private_attribute_of_a_torch_object_is_written():
+    """Outside ``gradzip/engine/fsdp_compat.py`` (which only reads), no file assigns a private
+    attribute that no gradzip class defines, nor ``setattr``s a private name: FSDP's communication
+    goes in through its public setters."""
+    own, found = _own_private_names(), []
+    for p in _modules():
+        if p.relative_to(REPO).as_posix() == "gradzip/engine/fsdp_compat.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                name = node.attr
+                if name.startswith("_") and not name.startswith("__") and name not in own:
+                    found.append(f"{p.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and len(node.args) >= 2:
+                key = node.args[1]
+                if isinstance(key, ast.Constant) and str(key.value).startswith("_") and key.value not in own:
+                    found.append(f"{p.relative_to(REPO)}:{node.lineno}: setattr(..., {key.value!r})")
+    assert not found, found
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start:end if end > 0 else None]
+
+
+def test_every_subpackage_is_in_the_readme_and_the_layout_page():
+    """The README's layout paragraph and docs/layout.md name every sub-package of the code."""
+    subpackages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    readme = _section((REPO / "README.md").read_text(), "## Layout")
+    layout = (REPO / "docs/layout.md").read_text()
+    missing = [f"{where}: {name}/" for name in subpackages for where, text in (("README.md", readme),
+               ("docs/layout.md", layout)) if f"{name}/" not in text]
+    assert not missing, missing
