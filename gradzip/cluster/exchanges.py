@@ -1,7 +1,8 @@
 """Per-bucket cost models of the exchange schemes for ``gradzip simulate``: the compressor's own
 collective, ``twophase``, ``sparse`` (gTop-k) and the hierarchical exchange, each as the bytes a GPU
 sends and a :class:`~gradzip.cluster.schedule.BucketTiming` (link time per round, encode and
-decode work) that :func:`gradzip.cluster.schedule.model_step` schedules."""
+decode work) that :func:`gradzip.cluster.schedule.model_step` schedules. :func:`flat_bucket` takes
+a scheme's cost function from its registration (:mod:`gradzip.compress.schemes`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gradzip.cluster.schedule import BucketTiming
 from gradzip.comm import cost
 from gradzip.compress.base import Compressor
 from gradzip.compress.registry import create
+from gradzip.compress.schemes import SCHEME_NAMES, get_scheme
 
 
 @functools.lru_cache(maxsize=64)
@@ -34,6 +36,12 @@ def payload_tensors_per_round(spec: str) -> tuple[int, ...]:
         counts.append(len(payload))
     return tuple(counts)
 
+
+
+def detail_keys() -> tuple[str, ...]:
+    """The link-time keys of ``ExchangeCost.detail``: ``f"{name}_s"`` per registered exchange
+    scheme (:mod:`gradzip.compress.schemes`), in registration order, then ``hierarchical_s``."""
+    return (*(f"{name}_s" for name in SCHEME_NAMES), "hierarchical_s")
 
 
 def twophase_bucket(comp: Compressor, numel: int, dtype: torch.dtype, cl: Cluster, codec: CodecCost,
@@ -113,8 +121,8 @@ def flat_bucket(comp: Compressor, shapes: Sequence[Sequence[int]], numel: int, c
         t = allreduce_time(nbytes, 1, cl)
         s = cost.allreduce_bytes(nbytes, n)
         return BucketCost(BucketTiming(ready_s=ready, compress_s=0.0, rounds_s=[t]), s, s, t, 1, "allreduce_s")
-    if comp.exchange in ("twophase", "sparse") and n > 1:
-        model = twophase_bucket if comp.exchange == "twophase" else sparse_bucket
+    model = get_scheme(comp.exchange).cost_model()
+    if model is not None and n > 1:  # a registered scheme's own cost (twophase_bucket, sparse_bucket, ...)
         timing, s, t = model(comp, numel, dtype, cl, codec, ready)
         return BucketCost(timing, s, s, t, len(timing.rounds_s), f"{comp.exchange}_s")
     per_round = payload_tensors_per_round(comp.spec)

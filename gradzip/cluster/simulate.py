@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradzip.cluster.exchanges import (  # noqa: F401 - re-exported: the per-bucket models
+    detail_keys,
     flat_bucket,
     hierarchical_bucket,
     payload_tensors_per_round,
@@ -218,8 +219,8 @@ class ExchangeCost:
     calls: int = 0
     compressed_numel: int = 0
     timings: list[BucketTiming] = field(default_factory=list)
-    detail: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("allreduce_s", "allgather_s", "twophase_s", "sparse_s", "hierarchical_s"), 0.0))
+    # Link seconds per scheme: "{name}_s" of every registered scheme, then "hierarchical_s".
+    detail: dict[str, float] = field(default_factory=lambda: dict.fromkeys(detail_keys(), 0.0))
 
 
 def exchange(comp: Compressor, buckets: tuple[BucketShape, ...], ready: list[float], work: Workload, cl: Cluster,

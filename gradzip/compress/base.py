@@ -91,12 +91,14 @@ import torch
 from torch import Tensor
 
 from gradzip.compress import native
+from gradzip.compress.schemes import SCHEME_NAMES
 
 Payload = tuple[Tensor, ...]
 Collective = Literal["allreduce", "allgather"]
 # How the ranks' payloads are combined (see gradzip.engine.schemes): the compressor's own
-# collective, the compressed allreduce of 1-bit Adam ("twophase"), or gTop-k ("sparse").
-SCHEMES: tuple[str, ...] = ("allreduce", "allgather", "twophase", "sparse")
+# collective, the compressed allreduce of 1-bit Adam ("twophase"), gTop-k ("sparse"), or any
+# scheme registered later. A live view of the registry (gradzip.compress.schemes).
+SCHEMES: Sequence[str] = SCHEME_NAMES
 
 
 @dataclasses.dataclass

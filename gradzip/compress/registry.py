@@ -47,7 +47,7 @@ def register(name: str):
         if cls.collective not in ("allreduce", "allgather"):
             raise ValueError(f"{cls.__name__}.collective must be 'allreduce' or 'allgather'")
         if set(cls.schemes) - set(SCHEMES):
-            raise ValueError(f"{cls.__name__}.schemes {cls.schemes}: unknown scheme(s); known: {SCHEMES}")
+            raise ValueError(f"{cls.__name__}.schemes {cls.schemes}: unknown scheme(s); known: {tuple(SCHEMES)}")
         if cls.collective not in cls.schemes:
             raise ValueError(f"{cls.__name__}.schemes {cls.schemes} must include its collective {cls.collective!r}")
         if not dataclasses.is_dataclass(cls.Config):
@@ -57,6 +57,13 @@ def register(name: str):
         return cls
 
     return deco
+
+
+def unregister(name: str) -> None:
+    """Remove the compressor registered under ``name`` (a plug-in's, e.g. at the end of a test)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"compressor {name!r} is not registered")
+    del _REGISTRY[name]
 
 
 def _load_all() -> None:

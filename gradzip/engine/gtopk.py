@@ -86,6 +86,12 @@ def build_plan(comm: Communicator) -> list[Step]:
     return steps
 
 
+def sparse_plan(compressor: Compressor, comm: Communicator) -> list[Step] | None:
+    """The ``sparse`` scheme's per-rank state (:mod:`gradzip.compress.schemes`): the pair plan of
+    :func:`build_plan` on more than one rank, else None."""
+    return build_plan(comm) if comm.world_size > 1 else None
+
+
 def merge(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], k: int
           ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """(kept, dropped): the k entries of largest |sum| of two sparse sets (values, indices),

@@ -28,7 +28,9 @@ A compressor's spec picks one of the schemes its class declares (``schemes``), e
 - ``sparse`` (:class:`gradzip.engine.gtopk.SparseExchange`): gTop-k for top-k payloads, a
   recursive-doubling reduction that keeps k entries at every level: 8k·log2(n) bytes per rank.
 
-Persistent per-rank state of the schemes (the server compressor and its memory) lives in a
+Each scheme is one entry of the registry :mod:`gradzip.compress.schemes` (its exchange class, its
+per-rank set-up and its cost model); a new one is registered there, not added here. Persistent
+per-rank state of the schemes (the server compressor and its memory) lives in a
 :class:`SchemeState`; the engine and the DDP adapter keep one per rank and checkpoint it.
 """
 
@@ -44,41 +46,53 @@ from torch import Tensor
 from gradzip.comm.base import Communicator, Handle
 from gradzip.compress.base import Compressor, flatten, unflatten
 from gradzip.compress.registry import create
+from gradzip.compress.schemes import Scheme, get_scheme
 from gradzip.engine.exchange import Exchange, pack, unpack, wait_all
-from gradzip.engine.gtopk import SparseExchange, build_plan
+
+
+def twophase_server(compressor: Compressor, comm: Communicator) -> Compressor:
+    """The ``twophase`` scheme's per-rank state (:mod:`gradzip.compress.schemes`): the server, a
+    second instance of the same spec that compresses this rank's shard (its error memory is the
+    server memory). Built whatever the world size, so that checkpoints carry it on one rank too."""
+    return create(compressor.spec)
 
 
 class SchemeState:
     """Per-rank state of the exchange scheme of ``compressor`` that persists across steps.
 
-    ``twophase``: ``server``, a second instance of the same spec that compresses this rank's shard
-    (its error memory is the server memory). ``sparse``: the pair sub-communicators of gTop-k
-    (:mod:`gradzip.engine.gtopk`). Build it on every rank at set-up, in the same order: it may
-    split the communicator.
+    The scheme is looked up in the registry (:mod:`gradzip.compress.schemes`) and its ``setup``
+    builds ``state``: ``twophase``'s server compressor, ``sparse``'s pair sub-communicators of
+    gTop-k (:mod:`gradzip.engine.gtopk`). Build it on every rank at set-up, in the same order: it
+    may split the communicator.
     """
 
     def __init__(self, compressor: Compressor, comm: Communicator) -> None:
         self.scheme = compressor.exchange
         self.comm = comm
         self.compressor = compressor
-        self.server: Compressor | None = create(compressor.spec) if self.scheme == "twophase" else None
-        self.plan = build_plan(comm) if self.scheme == "sparse" and comm.world_size > 1 else None
+        self.spec: Scheme = get_scheme(self.scheme)
+        self.state: Any = self.spec.setup_state(compressor, comm)
+
+    @property
+    def server(self) -> Compressor | None:
+        """The compressor the scheme owns (``twophase``'s server), or None."""
+        return self.state if isinstance(self.state, Compressor) else None
 
     def bind(self) -> None:
         """Nothing to finish (see :class:`gradzip.engine.hierarchical.HierarchicalScheme`)."""
 
     def exchange(self, compressor: Compressor, tensors: Sequence[Tensor], key: str) -> Any:
         """A new exchange of one bucket by this scheme (``compressor`` may be the plain ``none``
-        used for small tensors, which always takes its own collective)."""
-        if compressor.exchange == "twophase" and self.server is not None and self.comm.world_size > 1:
-            return TwoPhaseExchange(compressor, self.server, self.comm, tensors, key)
-        if compressor.exchange == "sparse" and self.plan is not None:
-            return SparseExchange(compressor, self.plan, self.comm, tensors, key)
+        used for small tensors, which always takes its own collective). On one rank, or for the
+        compressor's own collective, the plain :class:`~gradzip.engine.exchange.Exchange`."""
+        cls = self.spec.exchange_class()
+        if cls is not None and compressor.exchange == self.scheme and self.comm.world_size > 1:
+            return cls(compressor, self.state, self.comm, tensors, key)
         return Exchange(compressor, self.comm, tensors, key)
 
     # -- a bucket's worker error memory, whatever the scheme (DDP's bucket rebuild moves it) --
     def _chunked(self) -> bool:
-        return self.server is not None and self.comm.world_size > 1
+        return self.spec.chunked and self.comm.world_size > 1
 
     def residual(self, key: str, numel: int) -> Tensor | None:
         """The worker error memory of the bucket exchanged under ``key`` (``numel`` elements),

@@ -9,12 +9,15 @@
 - :class:`DeMo` (:mod:`gradzip.optim.demo`): Decoupled Momentum Optimization (Peng, Quesnelle &
   Kingma 2024), inside ``gradzip train`` or standalone with its own communicator.
 - :func:`build_optimizer` (:mod:`gradzip.optim.build`): ``gradzip train``'s optimizers over
-  BERT's two param groups.
+  BERT's two param groups, looked up in the registry (:mod:`gradzip.optim.registry`:
+  :func:`register_optimizer` adds one).
 """
 
 from gradzip.optim.build import build_optimizer, param_groups
 from gradzip.optim.demo import DeMo
 from gradzip.optim.lamb import Lamb
 from gradzip.optim.onebit import OneBitAdam
+from gradzip.optim.registry import register_optimizer, unregister_optimizer
 
-__all__ = ["DeMo", "Lamb", "OneBitAdam", "build_optimizer", "param_groups"]
+__all__ = ["DeMo", "Lamb", "OneBitAdam", "build_optimizer", "param_groups", "register_optimizer",
+           "unregister_optimizer"]

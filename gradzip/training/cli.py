@@ -31,6 +31,7 @@ import torch
 
 from gradzip.comm.launch import detect_launcher_env, spawn_local
 from gradzip.host import choose_threads
+from gradzip.optim.registry import optimizer_help
 from gradzip.training.checkpoint import check_out_dir
 from gradzip.training.config import BACKENDS, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, load_toml, write_toml
 from gradzip.training.faults import FaultPlan
@@ -61,12 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--sync", "when workers synchronise: step (exchange gradients every step); diloco:every=H[,outer_lr=0.7,"
          "momentum=0.9,fragments=P,delay=T,alpha=A] (H local steps, then an outer Nesterov step on the averaged "
          "pseudo-gradient, sent through --compressor); localsgd:every=H (average parameters)", metavar="MODE")
-    flag(g, "--optimizer", "adamw; lamb (You et al. 2019); sgd (--momentum, --weight-decay); onebit-adam, "
-         "onebit-lamb: warm up uncompressed for --freeze-step steps, "
-         "then exchange the momentum compressed (onebit:exchange=twophase unless --compressor); "
-         "demo: DeMo (Peng et al. 2024), local momentum sent as its top DCT coefficients, sign step "
-         "(demo:topk=32,chunk=64,decay=0.999 unless --compressor demo:...)",
-         choices=OPTIMIZERS)
+    # Choices and help come from the registry (gradzip.optim.registry): registered before this runs.
+    flag(g, "--optimizer", optimizer_help(), choices=OPTIMIZERS)
     flag(g, "--freeze-step", "onebit-adam/-lamb: warm-up steps before the variance freezes and the momentum is "
          "compressed (below 1: a fraction of --steps)", type=float)
     flag(g, "--lr", "peak learning rate", type=float)

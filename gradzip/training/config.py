@@ -34,6 +34,7 @@ from gradzip.compress.registry import create, normalize_spec, parse_spec
 from gradzip.errors import GradzipError, SpecError
 from gradzip.io import atomic_write_text
 from gradzip.models import bert_config
+from gradzip.optim.registry import OPTIMIZER_NAMES
 from gradzip.plan.auto import is_auto
 from gradzip.plan.sync import SyncSpec, parse_sync
 from gradzip.training.config_checks import _pre, check_auto, check_generated, check_netem, check_sharding
@@ -41,7 +42,7 @@ from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
 BACKENDS = ("sim", "gloo", "nccl", "mpi")
-OPTIMIZERS = ("adamw", "lamb", "sgd", "onebit-adam", "onebit-lamb", "demo")
+OPTIMIZERS = OPTIMIZER_NAMES  # a live view of the registry (gradzip.optim.registry): built-ins and plug-ins
 ONEBIT_SPEC = "onebit:exchange=twophase"  # what the 1-bit optimizers send, unless --compressor says otherwise
 DEMO_SPEC = "demo:topk=32,chunk=64,decay=0.999"  # what --optimizer demo sends, unless --compressor demo:... says
 PRECISIONS = ("fp32", "bf16", "fp16")
