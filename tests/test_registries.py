@@ -1,12 +1,15 @@
-"""A plug-in module registers an optimizer, an exchange scheme and a compressor declaring that
-scheme, each with one call, and every user picks them up: the train parser and config check, the
-optimizer builder, the cost model and the engine. Everything is unregistered afterwards."""
+"""The executable "which files" table (docs/layout.md): a plug-in module registers an optimizer, an
+exchange scheme, a compressor declaring that scheme and a sync mode, each with one call, and every
+user picks them up: the train parser and config check, the optimizer builder, the cost model
+(``gradzip simulate``), the engine and the runner (``gradzip train``). Everything is unregistered
+afterwards."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import importlib
+import json
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from gradzip.cli import main
 from gradzip.cluster import simulate as sim
 from gradzip.cluster.exchanges import flat_bucket
 from gradzip.comm.sim import SimWorld
@@ -24,6 +28,7 @@ from gradzip.compress.base import SCHEMES
 from gradzip.compress.registry import unregister
 from gradzip.compress.schemes import SCHEME_NAMES, unregister_scheme
 from gradzip.engine import attach
+from gradzip.engine.modes import unregister_sync
 from gradzip.optim import build_optimizer, unregister_optimizer
 from gradzip.training.cli import add_arguments
 from gradzip.training.config import OPTIMIZERS, TrainConfig
@@ -36,7 +41,9 @@ from gradzip.cluster.schedule import BucketTiming
 from gradzip.compress.registry import register
 from gradzip.compress.scaledsign import ScaledSign
 from gradzip.compress.schemes import Scheme, register_scheme
+from gradzip.engine.diloco import DiLoCo
 from gradzip.engine.exchange import Exchange
+from gradzip.engine.modes import register_sync
 from gradzip.optim import register_optimizer
 
 EXCHANGES = []   # (key, state) of every bucket the dummy scheme exchanged
@@ -70,6 +77,21 @@ def dummy_cost(comp, numel, dtype, cl, codec, ready):
     return timing, 3.0 * numel, LINK_S
 
 
+BUILT = []       # the options every build of the dummy sync mode was given
+
+
+def build_dummy_outer(model, optimizer, target, settings):
+    """Parameter averaging every H steps with an outer step of lr ``scale`` (a plugin's own key)."""
+    BUILT.append(dict(settings.sync.options))
+    params = [p for p in model.parameters() if p.requires_grad]
+    outer = torch.optim.SGD(params, lr=float(dict(settings.sync.options).get("scale", 1.0)))
+    e = settings.engine
+    return DiLoCo(model, optimizer, outer, target, settings.sync.every, settings.spec, agree=e.agree,
+                  min_compress_numel=e.min_compress_numel, bucket_cap_mb=e.bucket_cap_mb, hook=False)
+
+
+register_sync("dummyouter", "a plugin's parameter averaging (every=H,scale=S)", build_dummy_outer,
+              keys=("every", "scale"))
 register_optimizer("dummy", dummy_sgd, help="dummy: plain SGD from a plugin module")
 register_scheme(Scheme("dummy", exchange=DummyExchange, setup=dummy_setup, cost=dummy_cost))
 
@@ -90,6 +112,7 @@ def plugin(tmp_path, monkeypatch) -> Iterator[ModuleType]:
         yield mod
     finally:
         unregister("dummysign")
+        unregister_sync("dummyouter")
         unregister_scheme("dummy")
         unregister_optimizer("dummy")
         sys.modules.pop("gz_dummy_plugin", None)
@@ -158,3 +181,28 @@ def test_engine_exchanges_through_the_registered_scheme(plugin):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert sent == sent_plain > 0
+
+
+def test_registered_sync_mode_reaches_config_cost_model_and_runner(plugin, tmp_path, corpus, capsys):
+    from gradzip.plan.sync import parse_sync
+
+    sync = parse_sync("dummyouter:every=2,scale=1")
+    assert (sync.mode, sync.every, sync.options, sync.outer) == ("dummyouter", 2, (("scale", "1"),), True)
+    assert str(sync) == "dummyouter:every=2,scale=1"
+    TrainConfig(sync="dummyouter:every=2,scale=1").validate()
+    with pytest.raises(Exception, match=r"--sync dummyouter has no parameter 'alpha'"):
+        parse_sync("dummyouter:every=2,alpha=0.5")
+    # the cost model: an outer mode that sends every H steps costs less per step than every step
+    work = sim.Workload(model="bert-tiny", tokens_per_second=1000.0, batch_size=8, seq_len=64)
+    cl = sim.Cluster(4, 1, 1e8, 1e10)
+    outer, step = sim.predict("none", work, cl, sync="dummyouter:every=2"), sim.predict("none", work, cl)
+    assert outer.sync == "dummyouter:every=2" and outer.syncs_per_step == 0.5 and 0 < outer.sent_bytes < step.sent_bytes
+    # the runner: gradzip train builds it through the registry and writes its spelling in the summary
+    out = tmp_path / "run"
+    rc = main(["train", "--model", "bert-tiny", "--seq-len", "64", "--batch-size", "4", "--workers", "2",
+               "--eval-batches", "1", "--eval-every", "4", "--steps", "4", "--no-progress", "--corpus", str(corpus),
+               "--sync", "dummyouter:every=2,scale=1", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    assert plugin.BUILT == [{"scale": "1"}]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sync"] == "dummyouter:every=2,scale=1" and summary["bytes_total"] > 0
