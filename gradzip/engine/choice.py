@@ -35,10 +35,9 @@ from gradzip.comm.base import Communicator
 from gradzip.comm.sim import SimWorld
 from gradzip.compress.base import Compressor
 from gradzip.compress.registry import create
-from gradzip.engine.config import INTRA_DTYPES, EngineConfig
+from gradzip.engine.config import EngineConfig
 from gradzip.engine.engine import Engine
-from gradzip.engine.hierarchical import HierarchicalScheme
-from gradzip.engine.schemes import SchemeState
+from gradzip.engine.startup import scheme_for
 from gradzip.engine.worker import _Worker
 from gradzip.errors import GradzipError
 from gradzip.plan.buckets import Bucket
@@ -129,9 +128,8 @@ class ChoiceEngine(Engine):
             w.stateful = list(dict.fromkeys([*w.stateful, *ch.stateful()]))
 
     def _scheme_for(self, c: Compressor, comm: Any) -> Any:
-        if self.config.hierarchical:
-            return HierarchicalScheme(c, comm, INTRA_DTYPES[self.config.intra_dtype])
-        return SchemeState(c, comm)
+        """Each candidate's scheme, picked as the start-up picks the engine's (:func:`scheme_for`)."""
+        return scheme_for(c, comm, self.config.hierarchical, self.config.intra_dtype)
 
     def _select(self, w: _Worker, b: Bucket) -> tuple[Compressor, Any]:
         if not (b.compressed and self.compressing):
