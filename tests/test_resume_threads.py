@@ -13,6 +13,7 @@ import pytest
 from gradzip.cli import main
 from gradzip.training import runtime as runtime_mod
 from gradzip.training.config import TrainConfig, load_toml
+from gradzip.training.loop import train
 from gradzip.training.metrics import read_metrics
 
 TINY = ["--model", "bert-tiny", "--seq-len", "64", "--batch-size", "4", "--workers", "2", "--eval-batches", "2",
@@ -66,7 +67,9 @@ def test_resume_under_another_load_keeps_the_thread_count(tmp_path, args, monkey
     assert summary(cores)["threads"] == 2
     free["n"] = 1
     capsys.readouterr()
-    assert main(["train", "--out", str(cores), "--resume"]) == 0
+    # Resumed as a sweep resumes a cell, from Python with the settings but no thread count.
+    settings = {k: v for k, v in load_toml(cores / "config.toml").items() if k != "threads"}
+    assert train(TrainConfig.from_dict({**settings, "resume": True}))["threads"] == 2
     assert "warning: OMP_NUM_THREADS" not in capsys.readouterr().err  # nothing explicit was overridden
     assert computed(cores) == computed(full)
     assert (summary(cores)["threads"], summary(cores)["threads_requested"]) == (2, 1)

@@ -170,7 +170,7 @@ class _Sharding(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         setattr(namespace, self.dest, self.const)
-        setattr(namespace, "_layouts", {*getattr(namespace, "_layouts", ()), self.const})
+        namespace._layouts = {*getattr(namespace, "_layouts", ()), self.const}
 
 
 def _resume_value(text: str) -> str:
