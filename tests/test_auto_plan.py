@@ -76,6 +76,7 @@ def test_the_plan_matches_a_fixed_candidate_where_it_picks_it_everywhere():
         assert p.step_s == pytest.approx(predict("powersgd:rank=4", work(), cluster(100e6)).step_s, rel=1e-6)
 
 
+TWOPHASE = "twophase keeps server memory per rank, which cannot follow a bucket to another compressor"
 SIM = ["simulate", "--model", "bert-large", "--nodes", "4", "--gpus-per-node", "1", "--tokens-per-second", "5600"]
 
 
@@ -92,8 +93,26 @@ def test_simulate_prints_the_plan_beside_each_candidate(capsys):
     (["--compressor", "auto:candidates=none/nosuch"], "candidate 'nosuch'"),
     (["--compressor", "auto", "--fsdp"], "drop --fsdp/--hsdp/--sync"),
     (["--compressor", "auto", "--sync", "diloco:every=8"], "drop --fsdp/--hsdp/--sync"),
+    (["--compressor", "auto:candidates=none/onebit:exchange=twophase"], TWOPHASE),
 ])
 def test_simulate_bad_auto_is_one_line(extra, words, capsys):
     assert main([*SIM, *extra]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("spec", ["auto:candidates=none/onebit:exchange=twophase",
+                                  "auto:candidates=fp16/topk:ratio=0.01+ef=true+exchange=twophase"])
+def test_twophase_candidates_are_refused_by_simulate_and_train_alike(spec, tmp_path, capsys):
+    """The refusal of gradzip train (the engine's wording), now also gradzip simulate's: one line each."""
+    with pytest.raises(SpecError, match="twophase keeps server memory per rank"):
+        parse_auto(spec)
+    assert main([*SIM, "--compressor", spec]) == 2
+    sim_err = capsys.readouterr().err
+    out = tmp_path / "run"
+    assert main(["train", "--compressor", spec, "--steps", "1", "--out", str(out)]) == 2
+    train_err = capsys.readouterr().err
+    assert not out.exists()
+    for err in (sim_err, train_err):
+        assert err.count("\n") == 1 and f"{TWOPHASE}; use its own collective (drop exchange=twophase)" in err
+    assert sim_err.split("error: ", 1)[1] == train_err.split("error: --compressor: ", 1)[1]

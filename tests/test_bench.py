@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from gradzip.cli import main
+from gradzip.cli import build_parser, main
 from gradzip.compress import create, registry
 
 
@@ -232,3 +232,16 @@ def test_bench_fsdp_bad_input_is_one_line(capsys, argv, message):
     assert main(["bench", "fsdp", "--model", "tiny", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bench_fsdp_sizes_are_named_as_train_flags_with_the_old_names_as_aliases(capsys):
+    parse = build_parser().parse_args
+    new = parse(["bench", "fsdp", "--batch-size", "2", "--seq-len", "16", "--vocab-size", "64"])
+    old = parse(["bench", "fsdp", "--batch", "2", "--seq", "16", "--vocab", "64"])
+    assert (new.batch, new.seq, new.vocab) == (old.batch, old.seq, old.vocab) == (2, 16, 64)
+    with pytest.raises(SystemExit):
+        parse(["bench", "fsdp", "--help"])
+    text = capsys.readouterr().out
+    assert "--batch-size N, --batch N" in text and "--seq-len N, --seq N" in text and "--vocab-size N" in text
+    assert main(["bench", "fsdp", "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1" in capsys.readouterr().err

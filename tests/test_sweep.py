@@ -271,3 +271,20 @@ compressor = ["none", "fp16"]
     assert "gradzip train: 4 steps" not in printed.err + printed.out  # not echoed with several jobs
     assert main(["sweep", str(spec), "--out", str(out), "--jobs", "2", "--in-process"]) == 2
     assert "--jobs runs cells as child processes" in capsys.readouterr().err
+
+
+def test_dry_run_checks_the_hsdp_node_size_against_the_workers(tmp_path, capsys):
+    """--dry-run catches what a cell's launch would refuse: an --hsdp node size that does not divide
+    its workers, or that leaves one node; good ones list the cells (gradzip sweep, gradzip run)."""
+    base = '[base]\nmodel = "bert-tiny"\nbackend = "gloo"\nworkers = 4\nsharding = "hsdp"\n'
+    for k, words in ((3, "--hsdp --ranks-per-node 3 does not divide the world size 4"),
+                     (4, "--hsdp replicates across nodes: it needs >= 2 nodes (got 1")):
+        spec = write_spec(tmp_path / f"k{k}.toml", base + f"[grid]\nranks_per_node = [2, {k}]\n")
+        assert main(["sweep", str(spec), "--dry-run", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and f"ranks_per_node={k}" in err
+    assert not (tmp_path / "out").exists()
+    spec = write_spec(tmp_path / "good.toml", base + "[grid]\nranks_per_node = [1, 2]\n")
+    assert main(["sweep", str(spec), "--dry-run", "--out", str(tmp_path / "out")]) == 0
+    assert "2 cells into" in capsys.readouterr().out
+    assert main(["run", "repro-fsdp", "--dry-run", "--out", str(tmp_path / "out")]) == 0  # HSDP 2 x 2: fine

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradzip.cli import main
+from gradzip.cli import build_parser, main
 from gradzip.errors import GradzipError
 from gradzip.models import BertForPreTraining, bert_config
-from gradzip.training.config import TrainConfig
+from gradzip.training.cli import config_from_args
+from gradzip.training.config import TrainConfig, load_toml
 from gradzip.training.metrics import read_metrics
 from gradzip.training.sharding import fp32_reduction_bytes, ranks_per_node
 
@@ -129,7 +130,60 @@ def test_node_size_must_divide_the_world(monkeypatch):
     with pytest.raises(GradzipError, match="pass --ranks-per-node K"):
         ranks_per_node(None, 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert ranks_per_node(None, 4) == 2 and ranks_per_node(4, 4) == 4
+    assert ranks_per_node(None, 4) == 2 and ranks_per_node(2, 4) == 2
+    # One node replicates across nothing (gradzip simulate --hsdp refuses it too).
+    with pytest.raises(GradzipError, match=r"--hsdp replicates across nodes: it needs >= 2 nodes \(got 1: "
+                                           r"--ranks-per-node 4 in a world of 4\)"):
+        ranks_per_node(4, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(GradzipError, match="got 1: the launcher's 4 ranks per node"):
+        ranks_per_node(None, 4)
+    with pytest.raises(GradzipError, match="the 4 ranks started here form one"):  # gradzip train's own ranks
+        ranks_per_node(None, 4, from_launcher=False)
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--hsdp"], "--hsdp replicates across nodes: it needs >= 2 nodes, and the 2 ranks started here form one"),
+    (["--hsdp", "--ranks-per-node", "2"], "--hsdp replicates across nodes: it needs >= 2 nodes (got 1"),
+    (["--fsdp", "--hsdp"], "--fsdp and --hsdp are two layouts of the same model; give one"),
+    (["--hsdp", "--fsdp"], "--fsdp and --hsdp are two layouts of the same model; give one"),
+])
+def test_one_node_and_both_layouts_are_refused_before_any_rank_starts(tmp_path, capsys, extra, words):
+    out = tmp_path / "run"
+    assert main(["train", "--backend", "gloo", "--workers", "2", *extra, "--steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_config_file_keys_are_the_flag_names(tmp_path, capsys):
+    """fsdp = true / hsdp = true in a --config file, as the flags; sharding = "..." (what config.toml
+    writes) still works; contradictions are one line."""
+    def cfg_of(body: str) -> TrainConfig:
+        path = tmp_path / "c.toml"
+        path.write_text('backend = "gloo"\n' + body)
+        return TrainConfig.from_dict(load_toml(path), source=str(path))
+
+    assert cfg_of("fsdp = true\n").sharding == "fsdp"
+    assert cfg_of("hsdp = true\nranks-per-node = 2\n").sharding == "hsdp"
+    assert cfg_of('sharding = "hsdp"\nfsdp = false\n').sharding == "hsdp"
+    assert cfg_of("fsdp = false\n").sharding == "none"
+    assert cfg_of('sharding = "fsdp"\nfsdp = true\n').sharding == "fsdp"
+    assert TrainConfig.from_dict({"backend": "gloo", "hsdp": True}).sharding == "hsdp"  # spec tables too
+    for body, words in (("fsdp = true\nhsdp = true\n", "fsdp = true and hsdp = true"),
+                        ('hsdp = true\nsharding = "fsdp"\n', "hsdp = true contradicts sharding = 'fsdp'"),
+                        ('fsdp = false\nsharding = "fsdp"\n', "fsdp = false contradicts sharding = 'fsdp'"),
+                        ('fsdp = "yes"\n', "fsdp must be true or false")):
+        with pytest.raises(GradzipError, match=words) as e:
+            cfg_of(body)
+        assert "\n" not in str(e.value) and "c.toml" in str(e.value)
+    # Through the command line: the file's layout, and a flag that overrides it.
+    path = tmp_path / "run.toml"
+    path.write_text('backend = "gloo"\nworkers = 4\nfsdp = true\n')
+    args = build_parser().parse_args(["train", "--config", str(path)])
+    assert config_from_args(args).sharding == "fsdp"
+    args = build_parser().parse_args(["train", "--config", str(path), "--hsdp", "--ranks-per-node", "2"])
+    assert config_from_args(args).sharding == "hsdp"
 
 
 def test_cli_refuses_with_exit_code_2_and_writes_nothing(tmp_path, capsys):

@@ -44,9 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compressor", nargs="+", action="extend", metavar="SPEC",
                         help="compressors compared with none, one or more per flag, the flag repeatable "
                              "(default: fp16 onebit topk:ratio=0.01,ef=true)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per worker (default: 8)")
-    parser.add_argument("--seq", type=int, default=64, help="sequence length (default: 64)")
-    parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size (default: 2048)")
+    # Named as gradzip train's flags; the short old names stay as aliases.
+    parser.add_argument("--batch-size", "--batch", dest="batch", type=int, default=8, metavar="N",
+                        help="sequences per worker (default: 8)")
+    parser.add_argument("--seq-len", "--seq", dest="seq", type=int, default=64, metavar="N",
+                        help="sequence length (default: 64)")
+    parser.add_argument("--vocab-size", "--vocab", dest="vocab", type=int, default=2048, metavar="N",
+                        help="vocabulary size (default: 2048)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
 
@@ -138,8 +142,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise GradzipError(f"--workers must be >= 2 and --steps/--rounds >= 1 (got {args.workers}, {args.steps}, "
                            f"{args.rounds})")
     if args.batch < 1 or args.seq < 2 or args.vocab < 16:
-        raise GradzipError(f"--batch must be >= 1, --seq >= 2, --vocab >= 16 (got {args.batch}, {args.seq}, "
-                           f"{args.vocab})")
+        raise GradzipError(f"--batch-size must be >= 1, --seq-len >= 2, --vocab-size >= 16 (got {args.batch}, "
+                           f"{args.seq}, {args.vocab})")
     try:
         build_model(args)
     except (KeyError, ValueError) as e:
@@ -158,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
     _validate(args)
     with tempfile.TemporaryDirectory(prefix="gradzip-bench-fsdp-") as tmp:
         argv = ["bench", "fsdp", "--_worker", tmp, "--model", args.model, "--steps", str(args.steps),
-                "--rounds", str(args.rounds), "--batch", str(args.batch), "--seq", str(args.seq),
-                "--vocab", str(args.vocab), "--compressor", *args.compressor]
+                "--rounds", str(args.rounds), "--batch-size", str(args.batch), "--seq-len", str(args.seq),
+                "--vocab-size", str(args.vocab), "--compressor", *args.compressor]
         t0 = time.perf_counter()
         rc = spawn_local("gloo", args.workers, argv, env_extra={"OMP_NUM_THREADS": "1"}, timeout=3600)
         if rc != 0:

@@ -63,6 +63,7 @@ from gradzip.plots.report import make_report, print_report
 from gradzip.training.checkpoint import latest_checkpoint
 from gradzip.training.config import TrainConfig, load_toml, write_toml
 from gradzip.training.loop import train
+from gradzip.training.sharding import ranks_per_node
 
 TAIL_CHARS = 20_000  # end of a failed cell's output kept in error.txt
 _CHILDREN: set[subprocess.Popen] = set()  # the cells' running child processes
@@ -438,6 +439,18 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def dry_run(spec: Spec, out: Path) -> int:
+    """List the cells and their state. Beyond the validation of every cell when the spec loads, it
+    checks what a cell's launch would refuse: ``--hsdp``'s node size against the cell's ranks
+    (``workers``, or the launcher's world size when the sweep itself runs under one)."""
+    launcher = detect_launcher_env()
+    for c in spec.cells:
+        cfg = TrainConfig.from_dict(c.config)
+        if cfg.sharding == "hsdp":
+            world = launcher.world_size if launcher.external else cfg.workers
+            try:
+                ranks_per_node(cfg.ranks_per_node, world, from_launcher=launcher.external)
+            except GradzipError as e:
+                raise GradzipError(f"{spec.path}: cell {c.name}: {e}") from None
     print(f"{spec.name}: {len(spec.cells)} cells into {out}")
     for c in spec.cells:
         state = "finished" if (out / c.name / "summary.json").is_file() else "to run"

@@ -16,8 +16,10 @@ Grammar (one compressor spec, so it goes wherever a spec goes: ``--compressor``,
   as a drift (default 0.1); ``patience``: steps in a row of drift before a re-plan (default 3).
 - ``warmup``: uncompressed steps before the first plan, as torch's PowerSGD hook starts (default 0).
 
-Every candidate is checked by the compressor registry when the spec is parsed, and a floor that is
-not a candidate is refused: one line naming the fix, before any collective.
+Every candidate is checked by the compressor registry when the spec is parsed; a candidate on the
+``twophase`` exchange (whose server memory cannot follow a bucket to another compressor) and a
+floor that is not a candidate are refused: one line naming the fix, before any collective, for
+``gradzip train`` and ``gradzip simulate`` alike.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from gradzip.errors import SpecError
 # Least aggressive first: the policy only moves down this list when the link makes it pay.
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:rank=4", "topk:ratio=0.01,ef=true", "onebit")
 KEYS = ("candidates", "floor", "replan_every", "tolerance", "patience", "warmup")
+# Why a twophase candidate cannot be planned per bucket (the wording of gradzip.engine.choice).
+TWOPHASE_REFUSAL = ("twophase keeps server memory per rank, which cannot follow a bucket to another compressor; "
+                    "use its own collective (drop exchange=twophase)")
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,11 @@ def _candidate(text: str, spec: str) -> str:
     if is_auto(c):
         raise SpecError(f"auto: a candidate cannot be auto itself ({spec!r})")
     try:
-        create(c)
+        comp = create(c)
     except SpecError as e:
         raise SpecError(f"auto: candidate {text!r} in {spec!r}: {e}") from None
+    if comp.exchange == "twophase":  # the engine's ChoiceEngine refuses it too; here before anything runs
+        raise SpecError(f"auto: candidate {text!r} in {spec!r}: {TWOPHASE_REFUSAL}")
     return normalize_spec(c)
 
 

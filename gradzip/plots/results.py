@@ -114,7 +114,7 @@ def reference(runs: list[Run], metric: str) -> list[tuple[float, str]]:
 
 # Config keys that never distinguish runs (paths, resume flags, logging cadence).
 IGNORED_KEYS = {"out", "resume", "checkpoint_every", "eval_every", "eval_batches", "keep_checkpoints", "progress",
-                "config", "stop_at", "timeout", "log"}
+                "config", "stop_at", "timeout", "log", "threads"}  # threads: the host's, not the experiment's
 # Keys that do not change the bytes on the wire (for the bytes-per-step figure).
 NOT_BYTES_KEYS = {"bandwidth", "latency", "seed", "lr", "warmup", "clip"}
 

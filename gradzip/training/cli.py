@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gradzip.comm.launch import detect_launcher_env, spawn_local
+from gradzip.errors import GradzipError
 from gradzip.host import choose_threads
 from gradzip.optim.registry import optimizer_help
 from gradzip.training.checkpoint import check_out_dir
@@ -100,10 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--hierarchical", "reduce in full precision inside each node, compress only between nodes",
          show_default=False, action="store_true")
     flag(g, "--fsdp", "shard the model over all ranks with FSDP2 (one unit per encoder layer, then the root) "
-         "and compress its reduce-scatter (docs/fsdp.md)", show_default=False, action="store_const", const="fsdp",
+         "and compress its reduce-scatter (docs/fsdp.md)", show_default=False, action=_Sharding, const="fsdp",
          dest="sharding")
-    flag(g, "--hsdp", "shard inside each node of --ranks-per-node ranks, replicate across nodes, and compress the "
-         "replica all-reduce (docs/fsdp.md)", show_default=False, action="store_const", const="hsdp", dest="sharding")
+    flag(g, "--hsdp", "shard inside each node of --ranks-per-node ranks (two nodes or more), replicate across "
+         "nodes, and compress the replica all-reduce (docs/fsdp.md)", show_default=False, action=_Sharding,
+         const="hsdp", dest="sharding")
     flag(g, "--ef-dtype", "--fsdp/--hsdp: the error memory's dtype (bf16: half the memory)", choices=("fp32", "bf16"))
     flag(g, "--intra-dtype", "the hierarchical exchange's wire dtype inside a node: native (the gradient's own dtype), "
          "fp16 or bf16", choices=("native", "fp16", "bf16"))
@@ -116,6 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--min-compress-numel", "tensors with fewer elements go uncompressed", type=int)
     flag(g, "--timeout", "seconds allowed for init and for each collective", type=float)
     flag(g, "--device", "auto: CUDA if available", choices=DEVICES)
+    flag(g, "--threads", "torch's intra-op threads per process (default: OMP_NUM_THREADS, else the cores free at "
+         "start-up); the count used is saved in config.toml, and --resume keeps it, since it changes how sums "
+         "round", show_default=False, type=int, metavar="N")
     flag(g, "--netem", "run HOSTS ranks in the network testbed (root), one emulated host each, e.g. 4:100mbit "
          "or 4:1gbit:0.1ms:0.01, or 2:unshaped for no rate limit (see gradzip netem --help)", show_default=False,
          metavar="HOSTS:RATE[:DELAY[:LOSS%]]")
@@ -143,12 +148,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "a missing or empty --out is an error. --resume auto starts a fresh run there instead when there is "
          "nothing to resume (for preemptible job scripts)", show_default=False, nargs="?", const=True,
          type=_resume_value, metavar="auto")
-    flag(g, "--config", "settings file; keys as the flags (batch-size or batch_size); flags override it",
+    flag(g, "--config", "settings file; keys as the flags (batch-size or batch_size; switches take true or false, "
+         "e.g. hsdp = true); flags override it",
          show_default=False, metavar="FILE.toml")
     flag(g, "--log", "also stream metrics.jsonl's records to these sinks (comma-separated): tensorboard, wandb "
          "(offline), mlflow (local files); each needs its extra, e.g. pip install 'gradzip[tensorboard]'",
          show_default=False, metavar="SINKS")
     flag(g, "--no-progress", "no progress bar", show_default=False, dest="progress", action="store_false")
+
+
+class _Sharding(argparse.Action):
+    """``--fsdp``/``--hsdp``: store the layout, and note each one given, so that the two together are
+    an error (:func:`config_from_args`) rather than the last one winning."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, self.const)
+        namespace._layouts = {*getattr(namespace, "_layouts", ()), self.const}
 
 
 def _resume_value(text: str) -> str:
@@ -160,6 +179,9 @@ def _resume_value(text: str) -> str:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Merge defaults < resumed run's config.toml < --config file < flags, strictly validated."""
+    if len(getattr(args, "_layouts", ())) > 1:  # as gradzip simulate says it
+        raise GradzipError("--fsdp and --hsdp are two layouts of the same model; give one (--hsdp --ranks-per-node K "
+                           "shards inside nodes)")
     names = {f.name for f in fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in names}
     from_file: dict[str, Any] = {}
@@ -195,13 +217,13 @@ def _spawn(cfg: TrainConfig) -> int:
     """Start ``cfg.workers`` local ranks running this command, wait, report."""
     cfg.check_runtime()
     if cfg.sharding == "hsdp":  # the node size against the world size this command starts
-        ranks_per_node(cfg.ranks_per_node or cfg.workers, cfg.workers)
+        ranks_per_node(cfg.ranks_per_node, cfg.workers, from_launcher=False)
     cfg = cfg.replace(out=cfg.out or cfg.default_out())
     check_out_dir(cfg)  # refuse before any process starts; reads only
     build_data(cfg, Runtime(device=torch.device("cpu"), rank=0, num_workers=1))  # warm the data cache once
     env = {LAUNCH_MARKER: "1"}
-    if "OMP_NUM_THREADS" not in os.environ:  # N processes share the cores that are free
-        env["OMP_NUM_THREADS"] = str(max(1, choose_threads()[0] // cfg.workers))
+    if "OMP_NUM_THREADS" not in os.environ:  # the run's count (resumed), or N processes share the free cores
+        env["OMP_NUM_THREADS"] = str(cfg.threads or max(1, choose_threads()[0] // cfg.workers))
     with tempfile.TemporaryDirectory(prefix="gradzip-train-") as tmp:
         path = Path(tmp) / "config.toml"
         write_toml(cfg, path)  # the fully resolved config, so every rank runs exactly this

@@ -1,7 +1,8 @@
 """The typed configuration of one training run, shared by ``gradzip train`` and the sweep runner.
 
 :class:`TrainConfig` has one field per ``gradzip train`` flag (``--batch-size`` is
-``batch_size``). Sources, later ones winning:
+``batch_size``; the switches ``--fsdp``/``--hsdp`` are the one field ``sharding``, and the keys
+``fsdp = true``/``hsdp = true`` stand for it). Sources, later ones winning:
 
 1. the field defaults below;
 2. with ``--resume``, the ``config.toml`` saved in ``--out`` by the run being continued;
@@ -37,7 +38,15 @@ from gradzip.models import bert_config
 from gradzip.optim.registry import OPTIMIZER_NAMES
 from gradzip.plan.auto import is_auto
 from gradzip.plan.sync import SyncSpec, parse_sync
-from gradzip.training.config_checks import _pre, check_auto, check_generated, check_netem, check_sharding
+from gradzip.training.config_checks import (
+    SWITCHES,
+    _pre,
+    check_auto,
+    check_generated,
+    check_netem,
+    check_sharding,
+    sharding_switches,
+)
 from gradzip.training.loggers import check_available, parse_log
 from gradzip.units import parse_bandwidth, parse_latency
 
@@ -57,7 +66,8 @@ RESUME_MUTABLE = frozenset({
 # Fields not written to a run's config.toml: they describe one invocation, not the run (so that
 # `--resume` after `--stop-at` does not stop again at the same step).
 # Fields a rank may set differently from the others: they change no collective and no result.
-RANK_LOCAL = frozenset({"progress", "config", "timeout", "log"})
+# ``threads`` is per rank too: each rank's own count (under a launcher, from its own environment).
+RANK_LOCAL = frozenset({"progress", "config", "timeout", "log", "threads"})
 _NOT_SAVED = frozenset({"resume", "resume_auto", "config", "stop_at"})
 
 
@@ -121,6 +131,9 @@ class TrainConfig:
     min_compress_numel: int = 1024
     timeout: float = 300.0
     device: str = "auto"
+    # torch's intra-op threads. Unset: OMP_NUM_THREADS, else the cores free at start-up; the run's
+    # config.toml records the count used, so that --resume computes with the same (bit-identical sums).
+    threads: int | None = None
     netem: str | None = None
     netem_trace: str | None = None  # --netem: a trace file (or shipped trace name) played on the testbed
 
@@ -132,7 +145,7 @@ class TrainConfig:
         ``source`` names where ``d`` came from in error messages (e.g. the TOML file).
         """
         kwargs = {}
-        for raw_key, value in d.items():
+        for raw_key, value in sharding_switches(d, source).items():
             key = _field_name(raw_key, source)
             if key == "resume" and value == "auto":  # --resume auto, or resume = "auto" in a file
                 value, kwargs["resume_auto"] = True, True
@@ -193,6 +206,9 @@ class TrainConfig:
                              ("precision", PRECISIONS), ("device", DEVICES)):
             if getattr(self, key) not in choices:
                 raise bad(key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
+        if self.threads is not None and self.threads < 1:
+            raise GradzipError(f"{_pre(source)}threads must be >= 1 (or unset: OMP_NUM_THREADS, else the free cores), "
+                               f"got {self.threads}")
         if self.vocab_size is not None and self.vocab_size < 100:
             raise bad("vocab_size", f"must be >= 100 (or unset for the model's default), got {self.vocab_size}")
         check_generated(self, source)
@@ -328,10 +344,13 @@ class TrainConfig:
         return {k: v for k, v in self.to_dict().items() if k not in RANK_LOCAL}
 
     def diff(self, other: TrainConfig, ignore: frozenset[str] = RESUME_MUTABLE) -> list[str]:
-        """``["--flag: a != b", ...]`` for fields that differ, except ``ignore``."""
+        """``["--flag: a != b", ...]`` for fields that differ, except ``ignore``. ``threads`` unset on
+        either side is no difference (the run's recorded count applies)."""
         out = []
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "threads" and None in (a, b):  # unset: the run's own count applies
+                continue
             if f.name not in ignore and a != b:
                 out.append(f"{_flag(f.name)} {a!r} vs {b!r}")
         return out
@@ -356,11 +375,12 @@ def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     for key, value in data.items():
         if isinstance(value, dict):
             raise GradzipError(f"{p}: [{key}] tables are not allowed: use flat `key = value` lines as the flags")
-        name = _field_name(key, str(p))
+        name = key.strip().replace("-", "_").lower()
+        name = name if name in SWITCHES else _field_name(key, str(p))
         if name in out:  # `batch_size` and `batch-size`: one setting, written twice
             raise GradzipError(f"{p}: {spelled[name]!r} and {key!r} are the same setting; keep one of them")
         out[name], spelled[name] = value, key
-    return out
+    return sharding_switches(out, str(p))  # fsdp = true: the file's own layout, before flags override it
 
 
 def write_toml(cfg: TrainConfig, path: str | os.PathLike[str]) -> None:
@@ -415,7 +435,7 @@ def _flag(key: str) -> str:
 def _field_name(raw: str, source: str) -> str:
     key = str(raw).strip().replace("-", "_").lower()
     if key not in _FIELDS:
-        names = [f.replace("_", "-") for f in _FIELDS]
+        names = [f.replace("_", "-") for f in _FIELDS] + list(SWITCHES)
         near = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else f"; valid keys: {', '.join(names)}"
         raise GradzipError(f"{_pre(source)}unknown key {raw!r}{hint}")

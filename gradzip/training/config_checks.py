@@ -116,3 +116,36 @@ def check_netem(cfg: Any, source: str) -> None:
             read_trace(resolve_trace(cfg.netem_trace, flag="--netem-trace"), flag="--netem-trace")
         except GradzipError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None
+
+
+SWITCHES = ("fsdp", "hsdp")  # the flags --fsdp/--hsdp, spelled as config keys; the field is ``sharding``
+
+
+def sharding_switches(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """``d`` with the switches ``fsdp = true`` / ``hsdp = true`` (keys spelled as the flags) turned
+    into the ``sharding`` field that ``config.toml`` writes. ``false`` says "not this layout": it sets
+    nothing, but must not contradict ``sharding`` in the same ``d``. Both switches on, or a switch
+    against ``sharding``, is one line, as ``--fsdp --hsdp`` together is on the command line."""
+    def norm(key: Any) -> str:
+        return str(key).strip().replace("-", "_").lower()
+
+    switches = {norm(k): v for k, v in d.items() if norm(k) in SWITCHES}
+    if not switches:
+        return d
+    out = {k: v for k, v in d.items() if norm(k) not in SWITCHES}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            raise GradzipError(f"{_pre(source)}{key} must be true or false (the flag --{key}), got {value!r}")
+    on = [k for k, v in switches.items() if v]
+    if len(on) > 1:
+        raise GradzipError(f"{_pre(source)}fsdp = true and hsdp = true: --fsdp and --hsdp are two layouts of the "
+                           "same model; give one")
+    given = next((v for k, v in d.items() if norm(k) == "sharding"), None)
+    if given is not None:
+        clash = next((k for k, v in switches.items() if (given == k) != v), None)
+        if clash is not None:
+            raise GradzipError(f"{_pre(source)}{clash} = {str(switches[clash]).lower()} contradicts sharding = "
+                               f"{given!r}; keep one of them")
+    elif on:
+        out["sharding"] = on[0]
+    return out

@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validation", metavar="FILE", help="validation data, as --train (hf: split validation)")
     parser.add_argument("--out", metavar="DIR", help="a new or empty directory for summary.json, metrics.jsonl, "
                         "predictions.jsonl and model/")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the training data (default 3)")
-    parser.add_argument("--lr", type=float, default=5e-5, help="peak learning rate of AdamW (default 5e-5)")
+    parser.add_argument("--epochs", type=int, default=5, help="passes over the training data (default 5)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of AdamW (default 3e-4, for "
+                        "small BERTs; BERT-base's recipe is 5e-5 over 3 epochs)")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size, split across ranks "
                         "(default 32)")
     parser.add_argument("--warmup", type=float, default=0.1, help="linear warm-up, as a fraction of the steps; "

@@ -179,7 +179,8 @@ def launch_in_testbed(cfg: TrainConfig, argv: list[str], env_extra: dict[str, st
         raise GradzipError(f"--ranks-per-node must be >= 1, got {k}")
     world = hosts * k
     env = dict(env_extra or {})
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
+    per_rank = cfg.threads or max(1, (os.cpu_count() or 1) // world)  # a resumed run keeps its count
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(per_rank)
     ip = testbed.tool("ip")
     with testbed_for(spec) as (tb, how):
         addrs = [tb.host_addr(i) for i in range(hosts)]

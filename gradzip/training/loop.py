@@ -99,8 +99,11 @@ def _open_out(cfg: TrainConfig, runtime: Any) -> tuple[TrainConfig, Any]:
     checked output directory; every rank checks before anyone writes."""
     if runtime.comm is not None:  # the launcher decides the world size, not --workers
         cfg = cfg.replace(workers=runtime.num_workers)
-    cfg = cfg.replace(out=runtime.broadcast_str(cfg.out or cfg.default_out()))
+    # The thread count the run computes with becomes its setting (config.toml): --resume keeps it.
+    cfg = cfg.replace(out=runtime.broadcast_str(cfg.out or cfg.default_out()), threads=runtime.threads)
     out = checkpoint.check_out_dir(cfg)
+    if runtime.threads_warning:  # an OMP_NUM_THREADS the run's thread count overrides
+        print(runtime.threads_warning, file=sys.stderr, flush=True)
     note = checkpoint.fresh_start_note(cfg, out)
     runtime.barrier()
     if runtime.is_main:  # no rank saves before the first step's collectives
@@ -189,7 +192,8 @@ def _summary(cfg: TrainConfig, out: Any, sync: Synchronizer, data: Any, n_params
             "optimizer": cfg.optimizer, "precision": cfg.precision, "batch_size": cfg.batch_size,
             "accumulation": cfg.accumulation, "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed,
             "params": n_params, "initial_eval_loss": progress["initial_eval_loss"], "out": str(out),
-            "threads": runtime.threads, "threads_reason": runtime.threads_reason,
+            "threads": runtime.threads, "threads_requested": runtime.threads_requested,
+            "threads_reason": runtime.threads_reason,
             "compute_clock": "cpu" if runtime.world is not None else "wall", "work_scale": runtime.work_scale}
     # what a model that ignores context gets (gradzip.data.pretrain.UnigramReference)
     ref = data.unigram_reference()

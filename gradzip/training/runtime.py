@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from gradzip.data import PretrainData
 from gradzip.data.generated import GeneratedData, is_generated
 from gradzip.host import HostMonitor, busy_elsewhere, choose_threads, usable_cores
 from gradzip.models import bert_config
-from gradzip.training.config import TrainConfig
+from gradzip.training.config import TrainConfig, load_toml
 
 LAUNCH_MARKER = "GRADZIP_TRAIN_CHILD"  # set in processes that `gradzip train` spawned itself
 
@@ -39,6 +40,8 @@ class Runtime:
     comm: Any = None  # Communicator (real backends)
     threads: int = 0  # torch's intra-op threads (0: not chosen here)
     threads_reason: str = ""
+    threads_requested: int = 0  # what this invocation alone would have chosen (OMP_NUM_THREADS, free cores)
+    threads_warning: str = ""  # rank 0: OMP_NUM_THREADS overridden by the run's count
     threads_before: int = 0  # torch's thread count before this run chose its own
     work_scale: float = 1.0  # sim: the threads' CPU overhead its work clock divides out (calibrate_clock)
     monitor: HostMonitor | None = None  # contention, step by step
@@ -139,12 +142,27 @@ def uncounted(comm: Any) -> Iterator[None]:
 
 def create_runtime(cfg: TrainConfig) -> Runtime:
     """sim: a SimWorld of ``cfg.workers``. Real backends: this rank's communicator, from the
-    launcher's environment (world size from there, not from ``--workers``). Torch gets the
-    intra-op threads :func:`gradzip.host.choose_threads` gives, and a :class:`HostMonitor` watches
-    for contention; rank 0 warns in one line when other processes already keep cores busy."""
+    launcher's environment (world size from there, not from ``--workers``). Torch gets the run's
+    intra-op thread count: ``cfg.threads``, else (``--resume``) the one the run's ``config.toml``
+    recorded, else what :func:`gradzip.host.choose_threads` gives (``OMP_NUM_THREADS``, or the free
+    cores), since the thread count changes how sums round and a resumed run must compute as it did.
+    ``threads_requested`` keeps what this invocation alone would have chosen. Rank 0 warns in one
+    line when other processes already keep cores busy; ``threads_warning`` holds the line for an
+    explicit ``OMP_NUM_THREADS`` that differs from the run's count (the loop prints it once ``--out``
+    is accepted). A :class:`HostMonitor` watches for contention."""
     rt = _create_runtime(cfg)
-    busy = 0.0 if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() else busy_elsewhere()
-    rt.threads, rt.threads_reason = choose_threads(busy)
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip().isdigit()
+    busy = 0.0 if omp else busy_elsewhere()
+    rt.threads_requested, rt.threads_reason = choose_threads(busy)
+    recorded = cfg.threads or saved_threads(cfg)
+    rt.threads = recorded or rt.threads_requested
+    if recorded:
+        rt.threads_reason = "the run's setting `threads` (kept by --resume)"
+    if rt.is_main and omp and rt.threads != rt.threads_requested:  # printed once --out is accepted
+        rt.threads_warning = (f"gradzip train: warning: OMP_NUM_THREADS={rt.threads_requested} differs from this "
+                              f"run's {rt.threads} threads (its setting `threads`, which --resume keeps); torch "
+                              f"uses {rt.threads}, so that the sums round as before (start a new --out to compute on "
+                              f"{rt.threads_requested})")
     rt.threads_before = torch.get_num_threads()
     torch.set_num_threads(rt.threads)
     rt.monitor = HostMonitor(rt.threads)
@@ -154,6 +172,16 @@ def create_runtime(cfg: TrainConfig) -> Runtime:
         sys.stderr.write(f"gradzip train: warning: other processes keep {busy:.1f} of {usable_cores()} cores busy; "
                          f"torch uses {rt.threads} thread{'s' if rt.threads != 1 else ''} ({clock})\n")
     return rt
+
+
+def saved_threads(cfg: TrainConfig) -> int | None:
+    """With ``--resume``: the thread count recorded in ``--out``'s ``config.toml`` (None: no run
+    there, or one from before counts were recorded)."""
+    saved = Path(cfg.out or "") / "config.toml"
+    if not (cfg.resume and cfg.out and saved.is_file()):
+        return None
+    value = load_toml(saved).get("threads")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _create_runtime(cfg: TrainConfig) -> Runtime:

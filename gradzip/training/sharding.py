@@ -28,17 +28,27 @@ from gradzip.errors import GradzipError
 _LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 
 
-def ranks_per_node(given: int | None, world: int) -> int:
-    """``--hsdp``'s node size: ``--ranks-per-node``, else the launcher's local world size. One line
-    unless it divides the world size."""
+def ranks_per_node(given: int | None, world: int, from_launcher: bool = True) -> int:
+    """``--hsdp``'s node size: ``--ranks-per-node``, else (``from_launcher``) the launcher's local
+    world size. One line unless it divides the world size into two nodes or more: one node would
+    replicate across nothing, so nothing would be compressed (``gradzip simulate --hsdp`` refuses
+    one node too)."""
     k = given
-    if k is None:
+    if k is None and from_launcher:
         k = next((int(os.environ[v]) for v in _LOCAL_SIZE if os.environ.get(v, "").isdigit()), None)
+    if k is None and not from_launcher:  # ranks this command starts itself: all on this machine
+        raise GradzipError(f"--hsdp replicates across nodes: it needs >= 2 nodes, and the {world} ranks started "
+                           f"here form one unless told otherwise; pass --ranks-per-node K (a divisor of {world} "
+                           "below it), or use --fsdp")
     if k is None:
         raise GradzipError("--hsdp needs the node size: pass --ranks-per-node K (the ranks that share a fast bus)")
     if k < 1 or world % k:
         raise GradzipError(f"--hsdp --ranks-per-node {k} does not divide the world size {world}: every node "
                            "holds the same number of ranks; pass a divisor of the world size")
+    if world // k < 2:
+        what = f"--ranks-per-node {k}" if given is not None else f"the launcher's {k} ranks per node"
+        raise GradzipError(f"--hsdp replicates across nodes: it needs >= 2 nodes (got 1: {what} in a world of "
+                           f"{world}); pass a smaller --ranks-per-node that divides {world}, or use --fsdp")
     return k
 
 
