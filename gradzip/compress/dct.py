@@ -1,4 +1,4 @@
-"""Chunked two-dimensional DCT-II (orthonormal) and per-chunk top-k, for ``demo``. Not a compressor.
+"""Chunked two-dimensional DCT-II (orthonormal) and per-chunk top-k, for ``demo`` and ``distro``. Not a compressor.
 
 A tensor is read as a matrix (R, C): a 0-d tensor as (1, 1), a 1-D tensor of n as (1, n), and a
 tensor of shape (d0, d1, ...) as (d0, d1·...). Each axis is cut into chunks of ``chunk``; when
@@ -96,6 +96,27 @@ def plan(shape: tuple[int, ...], chunk: int, topk: int) -> Plan:
             kept += p * q * k
     biggest = min(chunk, rows) * min(chunk, cols)
     return Plan(rows, cols, tuple(regions), kept, max(1, (biggest - 1).bit_length()))
+
+
+def largest_divisor(n: int, target: int) -> int:
+    """The largest divisor of ``n`` (>= 1) not above ``target`` (>= 1): ``n`` itself when ``n <= target``."""
+    return next(d for d in range(min(n, target), 0, -1) if n % d == 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def divisor_plan(shape: tuple[int, ...], chunk: int, topk: int) -> Plan:
+    """The chunking of Psyche's DisTrO: the matrix (R, C) read as in :func:`plan`, cut into chunks
+    of a × b, a and b the largest divisors of R and C not above ``chunk`` (so one region, no
+    remainder: a prime C > ``chunk`` gives columns of width 1); indices in whole bytes, 8 bits
+    for chunks of at most 256 elements, else 16 (``chunk`` <= 256)."""
+    numel = math.prod(shape)
+    if not numel:
+        return Plan(0, 0, (), 0, 8)
+    rows = 1 if len(shape) < 2 else shape[0]
+    cols = numel // rows
+    a, b = largest_divisor(rows, chunk), largest_divisor(cols, chunk)
+    p, q, k = rows // a, cols // b, min(topk, a * b)
+    return Plan(rows, cols, (Region(0, 0, p, q, a, b, k, 0),), p * q * k, 8 if a * b <= 256 else 16)
 
 
 def _region(x: Tensor, g: Region) -> Tensor:

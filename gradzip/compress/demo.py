@@ -104,7 +104,7 @@ class DeMoCompressor(DecodeAggregate, ReplacedState, BucketCompressor):
             total += t.float().reshape(-1)
         return self._mean_inverse(total, len(tensors), tensors[0].shape, tensors[0].dtype)
 
-    def _mean_inverse(self, total: Tensor, n: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    def _mean_inverse(self, total: Tensor, n: int | Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         return dct.inverse(total.div_(n), self._plan(shape)).view(shape).to(dtype)
 
     def decode_aggregate_batch(self, payloads: list[Payload], ctx: _Ctx) -> list[Tensor] | None:
