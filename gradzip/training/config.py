@@ -54,6 +54,7 @@ BACKENDS = ("sim", "gloo", "nccl", "mpi")
 OPTIMIZERS = OPTIMIZER_NAMES  # a live view of the registry (gradzip.optim.registry): built-ins and plug-ins
 ONEBIT_SPEC = "onebit:exchange=twophase"  # what the 1-bit optimizers send, unless --compressor says otherwise
 DEMO_SPEC = "demo:topk=32,chunk=64,decay=0.999"  # what --optimizer demo sends, unless --compressor demo:... says
+DEMO_COMPRESSORS = ("demo", "distro")  # what --optimizer demo can send: DeMo's own, or DisTrO's wire as Psyche's
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -236,11 +237,11 @@ class TrainConfig:
         if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
             raise bad("momentum", f"must be in [0, 1), got {self.momentum}")
         self._check_sync(source), self._check_names(source), check_sharding(self, source)
-        demo_spec = parse_spec(self.spec)[0] == "demo"
+        demo_spec = parse_spec(self.spec)[0] in DEMO_COMPRESSORS
         if self.optimizer == "demo" and not demo_spec:
-            raise GradzipError(f"{_pre(source)}--optimizer demo needs the demo compressor (DeMo sends its momentum's "
-                               f"top DCT coefficients), not --compressor {self.compressor}; leave --compressor out "
-                               f"({DEMO_SPEC}) or give demo:...")
+            raise GradzipError(f"{_pre(source)}--optimizer demo needs the demo compressor or distro (DeMo sends its "
+                               f"momentum's top DCT coefficients), not --compressor {self.compressor}; leave "
+                               f"--compressor out ({DEMO_SPEC}) or give demo:... or distro:...")
         if demo_spec and self.optimizer != "demo":
             raise GradzipError(f"{_pre(source)}--compressor {self.compressor} needs --optimizer demo (its sign step "
                                f"on the decoded momentum is what makes it DeMo), not --optimizer {self.optimizer}")
