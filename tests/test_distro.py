@@ -244,7 +244,7 @@ def test_payload_bytes_formula_and_what_the_engine_counts():
     c = create("distro")  # Psyche's shipped settings: topk 8, chunk 64
     assert c.spec == "distro:topk=8,chunk=64,decay=0.999"
     assert c.payload_bytes((64, 64)) == 8 * 2 + 1 == 17  # u16 indices + 8 signs in one byte
-    assert c.payload_bytes((768, 768)) == 144 * 8 * 2 + 144 == 2448  # 963× fewer than fp32's 2,359,296
+    assert c.payload_bytes((768, 768)) == 144 * 8 * 2 + 144 == 2448  # 964× fewer than fp32's 2,359,296
     assert c.payload_bytes((768, 768), torch.bfloat16) == 2448  # no value travels in the gradient's dtype
     assert c.payload_bytes((30522, 128)) == 81392 * 2 + 10174
     assert c.payload_bytes((300,)) == 5 * 8 + 5 and c.payload_bytes(1000) == 20 * 8 + 20  # 1-D chunks 60, 50: u8

@@ -82,7 +82,8 @@ register_optimizer("onebit-adam", _onebit(lamb=False),
                    "momentum compressed (onebit:exchange=twophase unless --compressor)")
 register_optimizer("onebit-lamb", _onebit(lamb=True), help="")  # described with onebit-adam
 register_optimizer("demo", _demo, help="demo: DeMo (Peng et al. 2024), local momentum sent as its top DCT "
-                   "coefficients, sign step (demo:topk=32,chunk=64,decay=0.999 unless --compressor demo:...)")
+                   "coefficients, sign step (demo:topk=32,chunk=64,decay=0.999 unless --compressor demo:... or, "
+                   "for Psyche's DisTrO wire, distro:...)")
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float,

@@ -22,7 +22,8 @@ scaling of step 1 and step 7. Two modes:
   Tensors the engine sends uncompressed (below ``--min-compress-numel``) arrive as the exact mean
   of lr·g: DeMo with every coefficient sent (δ is then 0 after each step), i.e. signSGD for them.
   ``--min-compress-numel 0`` sends every tensor through the DCT, as the paper does. The
-  ``compression_*`` arguments are unused there: the ``demo:...`` spec sets them.
+  ``compression_*`` arguments are unused there: the ``demo:...`` spec sets them. ``--compressor
+  distro:...`` (:mod:`gradzip.compress.distro`) takes steps 1–6 instead, as Psyche's DisTrO sends them.
 - standalone (``comm``: a :class:`gradzip.comm.base.Communicator`, one rank per process, the same
   parameters on every rank): :meth:`DeMo.step` compresses lr·p.grad with its own ``demo``
   compressor (keyed per parameter), exchanges it (:class:`gradzip.engine.exchange.Exchange`) and
