@@ -245,3 +245,91 @@ def test_bad_input_is_one_line(spec, what):
     with pytest.raises(SpecError) as e:
         create(spec)
     assert what in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("sparseloco")
+
+
+# ----------------------------------------------------------------------------- --sync sparseloco
+def _batch(step: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + w)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+def test_the_sync_mode_takes_an_outer_sgd_step_on_the_scatter_mean():
+    """On SimWorld(2), one sync after H = 2 inner SGD steps: θ ← θ_global − α·aggregate, where the
+    aggregate is the scatter-mean of the replicas' codes of Δ (the error memory starts at zero), by
+    hand; the bytes sent are the codec's payloads, one per parameter."""
+    from torch import nn
+
+    from gradzip.comm.sim import SimWorld
+    from gradzip.engine.config import EngineConfig
+    from gradzip.engine.modes import SyncSettings, build_synchronizer, load_modes
+    from gradzip.plan.sync import parse_sync
+
+    load_modes()  # the mode registers its --sync spelling when its module is imported
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    start = [p.detach().clone() for p in model.parameters()]
+    locals_ = []
+    for w in range(2):  # each replica's inner steps, by hand
+        replica = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        replica.load_state_dict(model.state_dict())
+        opt = torch.optim.SGD(replica.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = _batch(step, w)
+            ((replica(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        locals_.append([p.detach().clone() for p in replica.parameters()])
+    sync_spec = parse_sync("sparseloco:every=2,alpha=0.5,k=8,beta=0.9")
+    assert str(sync_spec) == "sparseloco:every=2,alpha=0.5,aggregate=selected,beta=0.9,bits=2,chunk=64,k=8,range=6"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = build_synchronizer(model, opt, SimWorld(2), SyncSettings(sync=sync_spec, engine=EngineConfig()))
+    assert sync.spec == "sparseloco:chunk=64,k=8,bits=2,range=6,index=pack12,aggregate=selected,ef=true,ef_decay=0.9"
+    class Stepper:  # the training loop's optimizer step, as the protocol calls it
+        def step(self, clip: bool = True) -> float:
+            opt.step()
+            opt.zero_grad()
+            return 0.0
+
+        def skip(self) -> None:
+            raise AssertionError("no step is skipped")
+
+    sent = []
+    for step in range(2):
+        for w in sync.worker_ids:
+            with sync.worker(w):
+                x, y = _batch(step, w)
+                ((model(x) - y) ** 2).mean().backward()
+                sync.after_backward(Stepper())
+        stats = sync.synchronize()
+        sent.append(stats.bytes_sent)
+        sync.commit(stats.nonfinite, Stepper())
+    codec = create("sparseloco:k=8")
+    for i, p in enumerate(model.parameters()):
+        parts = [codec.decompress_batch(*codec.compress_batch([start[i] - loc[i]], "t"))[0] for loc in locals_]
+        want = start[i] - 0.5 * codec.aggregate(parts)
+        torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-6)
+    assert sent[0] == 0 and sent[1] == codec.batch_payload_bytes([p.shape for p in model.parameters()])
+    sync.detach()
+
+
+def test_gradzip_train_sync_sparseloco_sends_the_formulas_bytes(tmp_path, corpus, capsys):
+    """``gradzip train --sync sparseloco:every=4`` on 2 sim workers: 2 syncs in 8 steps, each sending
+    (ring allgather of 2) one payload per rank: the codec's bytes summed over the model's parameters."""
+    import json
+
+    from gradzip.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["train", "--model", "bert-tiny", "--seq-len", "64", "--batch-size", "4", "--workers", "2",
+               "--eval-batches", "1", "--eval-every", "8", "--steps", "8", "--no-progress", "--corpus", str(corpus),
+               "--sync", "sparseloco:every=4", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    assert s["sync"] == "sparseloco:every=4,alpha=1,aggregate=selected,beta=0.95,bits=2,chunk=64,k=64,range=6"
+    assert s["spec"] == "sparseloco:chunk=64,k=64,bits=2,range=6,index=pack12,aggregate=selected,ef=true,ef_decay=0.95"
+    vocab = torch.load(next(out.glob("ckpt-*.pt")), weights_only=True)["shared"]["model"][
+        "bert.embeddings.word_embeddings.weight"].shape[0]
+    shapes = list(parameter_shapes(bert_config("bert-tiny", vocab_size=vocab)).values())
+    assert sum(math.prod(sh) for sh in shapes) == s["params"]
+    assert s["syncs"] == 2 and s["bytes_per_sync"] == sum(formula(sh) for sh in shapes)
+    assert s["bytes_total"] == 2 * s["bytes_per_sync"]
