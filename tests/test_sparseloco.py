@@ -333,3 +333,35 @@ def test_gradzip_train_sync_sparseloco_sends_the_formulas_bytes(tmp_path, corpus
     assert sum(math.prod(sh) for sh in shapes) == s["params"]
     assert s["syncs"] == 2 and s["bytes_per_sync"] == sum(formula(sh) for sh in shapes)
     assert s["bytes_total"] == 2 * s["bytes_per_sync"]
+
+
+def test_resume_between_syncs_is_bit_identical(tmp_path, corpus):
+    """The error memory (nonzero after the sync at step 4) is in the checkpoint of step 5: resuming
+    there gives the run's losses and bytes bit for bit."""
+    from test_diloco import TINY, computed, train
+
+    args = [*TINY, "--corpus", str(corpus), "--steps", "8", "--sync", "sparseloco:every=4,k=16",
+            "--eval-every", "1"]  # (a stop evaluates)
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train(*args, "--out", str(full)) == 0
+    assert train(*args, "--stop-at", "5", "--out", str(part)) == 0
+    assert train("--out", str(part), "--resume") == 0
+    assert computed(part) == computed(full)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_gloo_sends_what_sim_sends(tmp_path, corpus):
+    """Two gloo processes: the same losses and bytes per step as the sim run, and a resume between
+    syncs on real processes."""
+    from test_diloco import TINY, _launch, records, train
+
+    args = [*TINY, "--corpus", str(corpus), "--steps", "8", "--sync", "sparseloco:every=4"]
+    assert train(*args, "--out", str(tmp_path / "sim")) == 0
+    _launch("gloo", [*args, "--stop-at", "5"], tmp_path / "real")
+    _launch("gloo", ["--resume"], tmp_path / "real")
+    real, sim = records(tmp_path / "real"), records(tmp_path / "sim")
+    assert [r["step"] for r in real] == list(range(1, 9))
+    for a, b in zip(real, sim, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert (a["bytes_sent"], a["syncs"]) == (b["bytes_sent"], b["syncs"])
