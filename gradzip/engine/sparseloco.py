@@ -1,4 +1,4 @@
-"""``--sync sparseloco``: SparseLoCo (Sarfi et al. 2025, the algorithm of Templar's Covenant-72B).
+"""``--sync sparseloco``: SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706; Templar's Covenant-72B).
 
 Every H inner steps, on each replica, with Δ = θ_global − θ_local its pseudo-gradient:
 

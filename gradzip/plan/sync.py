@@ -11,6 +11,9 @@ Three modes (spellings are a contract; ``gradzip ls`` lists them):
   into the merged ones (0: take the global ones).
 - ``localsgd:every=H``: parameter averaging every H steps, which is DiLoCo with an outer SGD of
   lr 1 and no momentum.
+
+Modes registered later (:func:`gradzip.engine.modes.register_sync`, e.g. ``sparseloco``) add their
+own spellings through :func:`register_spelling`.
 """
 
 from __future__ import annotations
