@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from gradzip.compress.registry import describe, registry
+from gradzip.engine.modes import load_modes
 from gradzip.plan.sync import MODES
 
 
@@ -62,6 +63,7 @@ def table(items: list[dict[str, Any]]) -> str:
                 "\"x2\": rounds of communication per step.")
     text.append("")
     text.append("SYNC (--sync)  when workers exchange; the compressor applies to what each sync sends")
+    load_modes()  # a mode in its own file registers its spelling at import
     width = max(len(m) for m in MODES)
     text.extend(f"{m.ljust(width)}  {why}" for m, why in MODES.items())
     return "\n".join(text)

@@ -280,7 +280,8 @@ def test_the_sync_mode_takes_an_outer_sgd_step_on_the_scatter_mean():
             opt.zero_grad()
         locals_.append([p.detach().clone() for p in replica.parameters()])
     sync_spec = parse_sync("sparseloco:every=2,alpha=0.5,k=8,beta=0.9")
-    assert str(sync_spec) == "sparseloco:every=2,alpha=0.5,aggregate=selected,beta=0.9,bits=2,chunk=64,k=8,range=6"
+    assert str(sync_spec) == ("sparseloco:every=2,alpha=0.5,aggregate=selected,beta=0.9,bits=2,chunk=64,"
+                              "index=pack12,k=8,range=6")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sync = build_synchronizer(model, opt, SimWorld(2), SyncSettings(sync=sync_spec, engine=EngineConfig()))
     assert sync.spec == "sparseloco:chunk=64,k=8,bits=2,range=6,index=pack12,aggregate=selected,ef=true,ef_decay=0.9"
@@ -325,7 +326,8 @@ def test_gradzip_train_sync_sparseloco_sends_the_formulas_bytes(tmp_path, corpus
                "--sync", "sparseloco:every=4", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     s = json.loads((out / "summary.json").read_text())
-    assert s["sync"] == "sparseloco:every=4,alpha=1,aggregate=selected,beta=0.95,bits=2,chunk=64,k=64,range=6"
+    assert s["sync"] == ("sparseloco:every=4,alpha=1,aggregate=selected,beta=0.95,bits=2,chunk=64,index=pack12,"
+                         "k=64,range=6")
     assert s["spec"] == "sparseloco:chunk=64,k=64,bits=2,range=6,index=pack12,aggregate=selected,ef=true,ef_decay=0.95"
     vocab = torch.load(next(out.glob("ckpt-*.pt")), weights_only=True)["shared"]["model"][
         "bert.embeddings.word_embeddings.weight"].shape[0]

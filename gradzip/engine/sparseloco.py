@@ -11,7 +11,7 @@ Every H inner steps, on each replica, with Δ = θ_global − θ_local its pseud
    selected it (``aggregate=mean``: over all replicas).
 
 It is :class:`~gradzip.engine.diloco.DiLoCo` with an outer ``torch.optim.SGD(lr=α, momentum=0)``
-and the compressor ``sparseloco:chunk=..,k=..,bits=..,range=..,aggregate=..,ef=true,ef_decay=β``
+and the compressor ``sparseloco:chunk=..,k=..,bits=..,range=..,index=..,aggregate=..,ef=true,ef_decay=β``
 (error feedback with decay: steps 1-3), so it runs on sim, gloo and mpi, resumes, and counts its
 bytes like every DiLoCo sync. Every parameter travels in the codec, small ones included
 (``--min-compress-numel`` does not apply). Defaults: the published 70B configuration (H = 30, chunk 64, k = 64,
@@ -30,7 +30,7 @@ from gradzip.engine.synchronizer import Synchronizer
 from gradzip.errors import SpecError
 from gradzip.plan.sync import SyncSpec
 
-CODEC_KEYS = ("chunk", "k", "bits", "range", "aggregate")  # passed to the codec as given
+CODEC_KEYS = ("chunk", "k", "bits", "range", "index", "aggregate")  # passed to the codec as given
 
 
 def codec_spec(sync: SyncSpec) -> str:
@@ -59,7 +59,7 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any
 
 
 register_sync("sparseloco", "SparseLoCo: every H steps, error feedback with decay β, top-k per chunk with 2-bit "
-              "codes, outer SGD step α (every=30,beta=0.95,alpha=1,chunk=64,k=64,bits=2,range=6)", _build,
+              "codes, outer SGD step α (every=30,beta=0.95,alpha=1,chunk=64,k=64,bits=2,range=6,index=pack12)", _build,
               keys=("every", "beta", "alpha", *CODEC_KEYS),
               defaults={"every": "30", "beta": "0.95", "alpha": "1", "chunk": "64", "k": "64", "bits": "2",
-                        "range": "6", "aggregate": "selected"})
+                        "range": "6", "index": "pack12", "aggregate": "selected"})
