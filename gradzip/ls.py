@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from gradzip.compress.registry import describe, registry
+from gradzip.engine.modes import load_modes
 from gradzip.plan.sync import MODES
 
 
@@ -58,10 +59,12 @@ def table(items: list[dict[str, Any]]) -> str:
     text = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in lines]
     text.append("")
     text.append('spec: NAME or NAME:key=value,... e.g. "topk:ratio=0.01,ef=true"; ef=true wraps any compressor in '
-                "error feedback; exchange=SCHEME picks how payloads combine (twophase: compressed allreduce). "
+                "error feedback (ef_decay=B scales its memory by B each step); exchange=SCHEME picks how payloads "
+                "combine (twophase: compressed allreduce). "
                 "\"x2\": rounds of communication per step.")
     text.append("")
     text.append("SYNC (--sync)  when workers exchange; the compressor applies to what each sync sends")
+    load_modes()  # a mode in its own file registers its spelling at import
     width = max(len(m) for m in MODES)
     text.extend(f"{m.ljust(width)}  {why}" for m, why in MODES.items())
     return "\n".join(text)

@@ -31,7 +31,9 @@ price is a second fp32 buffer of the compressed gradients' size per worker. Call
 open a step (the DDP hook) get the in-place update and a single buffer. With ``memory_dtype`` the
 two buffers are of that dtype, and a step writes its rounded residual into the second one: no step
 copies the memory, and undoing it leaves the memory untouched.
-Spelling: ``"topk:ratio=0.01,ef=true"``.
+Decay (``ef_decay=β``, default 1): step 1 becomes compensated = gradient + β·memory (the memory
+is scaled, then the gradient added), SparseLoCo's e ← β e + Δ. β = 1 runs the passes above unchanged.
+Spelling: ``"topk:ratio=0.01,ef=true"``, ``"sparseloco:ef=true,ef_decay=0.95"``.
 """
 
 from __future__ import annotations
@@ -78,12 +80,15 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
     floating dtype). Takes the inner compressor's optional paths (:mod:`gradzip.compress.fastpaths`)
     where it has them, else the core path."""
 
-    def __init__(self, inner: Compressor, memory_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, inner: Compressor, memory_dtype: torch.dtype = torch.float32, decay: float = 1.0) -> None:
         super().__init__(inner.config)
         if not memory_dtype.is_floating_point:
             raise ValueError(f"error feedback: memory_dtype must be a floating dtype, got {memory_dtype}")
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"ef_decay must be in [0, 1], e.g. 0.95; got {decay!r}")
         self.inner = inner
         self.memory_dtype = memory_dtype
+        self.decay = float(decay)  # the memory's factor in step 1
         self.memory: dict[str, list[Tensor]] = {}  # per key: views of self._flat[key]
         self._flat: dict[str, Tensor] = {}
         # An open step (begin_step): key -> (flat, views) holding this step's new memory, and
@@ -111,7 +116,8 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
 
     @property
     def spec(self) -> str:
-        return self.inner._spec_with("true")
+        spec = self.inner._spec_with("true")
+        return spec if self.decay == 1.0 else f"{spec},ef_decay={self.decay}"
 
 
     def _memory_for(self, key: str, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -143,9 +149,12 @@ class ErrorFeedback(DecodeAggregate, Credit, BucketCompressor):
             work = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
             works = unflatten(work, [m.shape for m in mem])
             for w, m, t in zip(works, mem if fresh else views, tensors):
-                w.copy_(m).add_(t)  # in fp32: the memory's conversion is exact
+                w.copy_(m).mul_(self.decay).add_(t) if self.decay != 1.0 else w.copy_(m).add_(t)  # fp32: exact copy
             return work, works, flat
-        if fresh:
+        if self.decay != 1.0:  # β·memory, then + gradient (two passes, as e ← β e + Δ rounds)
+            for o, m, t in zip(views, mem if fresh else views, tensors):
+                torch.mul(m, self.decay, out=o).add_(t)
+        elif fresh:
             for o, m, t in zip(views, mem, tensors):
                 torch.add(m, t, out=o)
         else:

@@ -4,7 +4,8 @@ A spec is ``NAME`` or ``NAME:key=value,key=value``, e.g. ``"topk:ratio=0.01,ef=t
 ``"powersgd:rank=4,warm_start=true"``. Two keys are common to all compressors: ``ef`` wraps the
 compressor in :class:`gradzip.compress.ef.ErrorFeedback` (default: the class's ``default_ef``;
 ``ef=ef21`` in :class:`gradzip.compress.ef21.EF21` instead, for biased compressors; a compressor
-that is its own error feedback, ``own_ef`` such as ``demo``, ignores both with a warning), and
+that is its own error feedback, ``own_ef`` such as ``demo``, ignores both with a warning);
+``ef_decay=β`` (with ``ef=true``) scales the memory by β before each step's gradient is added; and
 ``exchange`` picks how payloads are combined, one of the class's ``schemes`` (default: its
 ``collective``), e.g. ``"onebit:exchange=twophase"``.
 
@@ -156,6 +157,9 @@ def create(spec: str | Compressor) -> Compressor:
     if ef_raw is not None and not ef21 and ef_raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         raise SpecError(f"{name}: ef={ef_raw!r} is not one of true, false or ef21")
     ef = cls.default_ef if ef_raw is None else (False if ef21 else _convert(ef_raw, bool, name, "ef"))
+    decay_raw = params.pop("ef_decay", None)
+    if decay_raw is not None and (ef21 or not ef):
+        raise SpecError(f"{name}: ef_decay={decay_raw} scales the memory of ef=true; add ef=true or drop ef_decay")
     if cls.own_ef and (ef or ef21):  # a second memory on top of the compressor's own: ignore it
         _warn_once(name, f"ef={ef_raw} is ignored: {name} keeps its own error feedback (drop ef=)")
         ef = ef21 = False
@@ -172,7 +176,7 @@ def create(spec: str | Compressor) -> Compressor:
     hints = _hints(cls.Config)
     unknown = sorted(set(params) - set(fields))
     if unknown:
-        valid = ", ".join([*fields, "ef", "exchange"])
+        valid = ", ".join([*fields, "ef", "exchange", "ef_decay"])
         raise SpecError(f"{name}: unknown parameter(s) {', '.join(unknown)}; valid parameters: {valid}")
     kwargs = {k: _convert(v, hints[k], name, k) for k, v in params.items()}
     try:
@@ -186,7 +190,11 @@ def create(spec: str | Compressor) -> Compressor:
     if ef21:
         return EF21(comp)
     if ef:
-        return ErrorFeedback(comp)
+        decay = 1.0 if decay_raw is None else _convert(decay_raw, float, name, "ef_decay")
+        try:
+            return ErrorFeedback(comp, decay=decay)
+        except ValueError as e:
+            raise SpecError(f"{name}: {e}") from None
     return comp
 
 

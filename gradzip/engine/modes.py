@@ -9,6 +9,8 @@ A mode is a name, the section of settings it reads, and a builder::
   :mod:`gradzip.plan.sync` so that ``gradzip train --sync`` and ``gradzip simulate --sync`` accept
   the spelling. ``None``: not a ``--sync`` spelling (``auto``, ``fsdp`` and ``hsdp`` are chosen by
   ``--compressor auto`` and ``--fsdp``/``--hsdp``).
+- ``defaults``: text values of some of ``keys`` for when they are not given (``every`` among them:
+  ``--sync NAME`` alone then parses).
 - ``build(model, optimizer, target, settings)``: the :class:`~gradzip.engine.synchronizer.Synchronizer`
   over ``target`` (a communicator, or a :class:`~gradzip.comm.sim.SimWorld`), from the typed
   :class:`SyncSettings` every mode takes.
@@ -77,18 +79,20 @@ class SyncMode:
     help: str
     build: Builder
     keys: tuple[str, ...] | None = None
+    defaults: tuple[tuple[str, str], ...] = ()
 
 
 SYNC_MODES: dict[str, SyncMode] = {}
 
 
-def register_sync(name: str, help: str, build: Builder, keys: tuple[str, ...] | None = None) -> SyncMode:
+def register_sync(name: str, help: str, build: Builder, keys: tuple[str, ...] | None = None,
+                  defaults: dict[str, str] | None = None) -> SyncMode:
     """Register mode ``name`` (module docstring); a second registration of a name is an error."""
     if name in SYNC_MODES:
         raise ValueError(f"sync mode {name!r} is registered twice")
-    mode = SyncMode(name, help, build, None if keys is None else tuple(keys))
+    mode = SyncMode(name, help, build, None if keys is None else tuple(keys), tuple((defaults or {}).items()))
     if mode.keys is not None:
-        register_spelling(name, help, mode.keys)
+        register_spelling(name, help, mode.keys, dict(mode.defaults))
     SYNC_MODES[name] = mode
     return mode
 

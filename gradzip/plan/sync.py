@@ -11,6 +11,9 @@ Three modes (spellings are a contract; ``gradzip ls`` lists them):
   into the merged ones (0: take the global ones).
 - ``localsgd:every=H``: parameter averaging every H steps, which is DiLoCo with an outer SGD of
   lr 1 and no momentum.
+
+Modes registered later (:func:`gradzip.engine.modes.register_sync`, e.g. ``sparseloco``) add their
+own spellings through :func:`register_spelling`.
 """
 
 from __future__ import annotations
@@ -31,15 +34,21 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "diloco": ("every", "outer_lr", "momentum", "fragments", "delay", "alpha", "nesterov"),
     "localsgd": ("every", "fragments", "delay"), "step": ()}
 _COMMON = frozenset(_KEYS["diloco"])  # parsed into SyncSpec's fields; a new mode's other keys: options
+_DEFAULTS: dict[str, dict[str, str]] = {}  # a registered mode's defaults, as text
 
 
-def register_spelling(mode: str, help: str, keys: tuple[str, ...]) -> None:
+def register_spelling(mode: str, help: str, keys: tuple[str, ...], defaults: dict[str, str] | None = None) -> None:
     """Accept ``--sync MODE:key=value,...`` with ``keys`` (:func:`gradzip.engine.modes.register_sync`
     calls it). The keys among :class:`SyncSpec`'s fields are parsed into them; any other key is
-    kept, as text, in ``SyncSpec.options`` for the mode's builder. The built-in modes are here already."""
+    kept, as text, in ``SyncSpec.options`` for the mode's builder. ``defaults`` (text, keys among
+    ``keys``) fill the keys not given, ``every`` included (``--sync MODE`` alone then parses). The
+    built-in modes are here already."""
     if mode in _KEYS and _KEYS[mode] != tuple(keys):
         raise ValueError(f"--sync {mode} is spelled twice, with different parameters")
+    if extra := sorted(set(defaults or {}) - set(keys)):
+        raise ValueError(f"--sync {mode}: defaults for keys it does not take: {extra}")
     MODES[mode], _KEYS[mode] = MODES.get(mode, help), tuple(keys)
+    _DEFAULTS[mode] = {k: str(v) for k, v in (defaults or {}).items()}
 
 
 def unregister_spelling(mode: str) -> None:
@@ -47,6 +56,11 @@ def unregister_spelling(mode: str) -> None:
     if mode not in ("step", "diloco", "localsgd"):
         MODES.pop(mode, None)
         _KEYS.pop(mode, None)
+        _DEFAULTS.pop(mode, None)
+
+
+def _fmt(v: object) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 @dataclass(frozen=True)
@@ -85,8 +99,10 @@ class SyncSpec:
     def __str__(self) -> str:
         if self.mode == "step":
             return "step"
-        if self.mode not in ("diloco", "localsgd"):  # a registered mode: every=H, then its own keys
-            return ",".join([f"{self.mode}:every={self.every}", *(f"{k}={v}" for k, v in self.options)])
+        if self.mode not in ("diloco", "localsgd"):  # a registered mode: every=H, its keys among the fields, its own
+            mine = [k for k in _KEYS.get(self.mode, ()) if k in _COMMON and k != "every"]
+            fields = [f"{k}={_fmt(getattr(self, k))}" for k in mine]
+            return ",".join([f"{self.mode}:every={self.every}", *fields, *(f"{k}={v}" for k, v in self.options)])
         if self.mode == "localsgd":
             extra = f",fragments={self.fragments},delay={self.delay}" if self.fragments > 1 or self.delay else ""
             return f"localsgd:every={self.every}{extra}"
@@ -117,6 +133,7 @@ def parse_sync(text: str | SyncSpec | None) -> SyncSpec:
             raise SpecError(f"--sync {mode} has no parameter {k!r} (in {raw!r}); its parameters: {allowed}")
     if mode == "step":
         return SyncSpec()
+    params = {**_DEFAULTS.get(mode, {}), **params}
 
     def num(key: str, kind: type, default: float) -> float:
         v = params.get(key)

@@ -266,6 +266,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         what, how = s.get("optimizer"), f" (momentum sent as {s.get('spec')} after warm-up)"
     elif s.get("optimizer") == "demo":  # DeMo: its local momentum's top DCT coefficients
         what, how = "demo", f" (momentum sent as {s.get('spec')})"
+    elif what == "none" and str(s.get("spec") or "none").split(":")[0] != "none":  # a sync mode's own codec
+        what = s.get("spec")
     if s.get("sync", "step") != "step":  # what is compressed is the pseudo-gradient of each sync
         how += f", {s.get('sync')}: {s.get('syncs')} syncs of {f(s.get('bytes_per_sync'), ',.0f')} bytes"
     print(f"gradzip train: {s.get('steps')} steps of {s.get('model')} with {what}{how} on "

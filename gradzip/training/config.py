@@ -249,11 +249,13 @@ class TrainConfig:
     @property
     def sync_spec(self) -> SyncSpec:
         """``--sync`` parsed (validated by :meth:`validate`)."""
-        return parse_sync(self.sync)
+        return _parse_sync(self.sync)
 
     def _check_sync(self, source: str) -> None:
         try:
-            sync = parse_sync(self.sync)
+            sync = _parse_sync(self.sync)
+            if sync.mode == "sparseloco":
+                _check_sparseloco(self, sync)
         except SpecError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None
         if sync.outer and (self.optimizer.startswith("onebit-") or self.optimizer == "demo"):
@@ -459,3 +461,27 @@ def _check_type(key: str, value: Any, source: str) -> Any:
 
 def _a(typ: type) -> str:
     return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}[typ.__name__]
+
+
+def _parse_sync(text: str) -> SyncSpec:
+    """``--sync`` parsed, once every sync mode of :mod:`gradzip.engine` has registered its spelling
+    (a mode in its own file registers at import)."""
+    from gradzip.engine.modes import load_modes
+
+    load_modes()
+    return parse_sync(text)
+
+
+def _check_sparseloco(cfg: TrainConfig, sync: SyncSpec) -> None:
+    """``--sync sparseloco`` sends its own codec and takes its own outer step: a ``--compressor``
+    (or ``--exchange``) would be silently replaced, so it is refused, as is a bad codec option."""
+    from gradzip.engine.sparseloco import codec_spec
+
+    if cfg.compressor != "none" or cfg.exchange is not None:
+        given = f"--compressor {cfg.compressor}" if cfg.compressor != "none" else f"--exchange {cfg.exchange}"
+        raise SpecError(f"--sync sparseloco sends its own codec (top-k per chunk, 2-bit codes, error feedback): "
+                        f"drop {given} and set chunk, k, bits, range or beta in --sync, e.g. sparseloco:k=32")
+    try:
+        create(codec_spec(sync))
+    except SpecError as e:  # the codec's own message, said of --sync
+        raise SpecError(str(e) if str(e).startswith("--sync") else f"--sync {e}") from None
