@@ -199,9 +199,11 @@ class TorchCommunicator(RealCommunicator):
         own = getattr(self, "_owns_pg", False) or getattr(self, "_parent", None) is not None
         for g in (getattr(self, "group", None) if own else None, getattr(self, "_side", None)):
             if g is not None:
+                # torch 2.14 has the public setter; 2.13 only the private one it replaced
+                setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
                 try:
-                    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self._timeout), g)
-                except Exception:  # private API; our own wait() timeout still applies
+                    setter(timedelta(seconds=self._timeout), g)
+                except Exception:  # our own wait() timeout still applies
                     pass
 
     # -- helpers ------------------------------------------------------------------------
