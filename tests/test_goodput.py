@@ -111,6 +111,15 @@ def test_uniform_limit_of_rounds_absent():
     assert gp.rounds_absent(10.0, 20.0, math.inf) == 2.0 == gp.rounds_absent(10.0, 20.0, 33.0)
 
 
+def test_binomial_is_exact_and_scales_to_thousands_of_replicas():
+    pmf = gp.binomial_pmf(6, 0.3)
+    assert pmf == pytest.approx([math.comb(6, k) * 0.3**k * 0.7 ** (6 - k) for k in range(7)], rel=1e-12)
+    assert gp.binomial_pmf(3, 0.0) == [1.0, 0.0, 0.0, 0.0] and gp.binomial_pmf(3, 1.0) == [0.0, 0.0, 0.0, 1.0]
+    big = gp.goodput(4096, 60.0, gp.Faults(3600.0 * 24, 300.0, 4000))
+    assert sum(gp.binomial_pmf(4096, big.finish_probability)) == pytest.approx(1.0, rel=1e-9)
+    assert 0 < big.goodput < big.finish_probability and big.participants >= 4000
+
+
 def test_goodput_falls_with_the_failure_rate_and_the_quorum():
     by_rate = [gp.goodput(4, 10.0, gp.Faults(mtbf, 20.0, 2)).goodput for mtbf in (1e4, 600.0, 120.0, 30.0)]
     assert by_rate == sorted(by_rate, reverse=True) and by_rate[0] > 0.99

@@ -117,8 +117,12 @@ def rounds_absent(round_s: float, absent_s: float, mtbf_s: float) -> float:
 
 
 def binomial_pmf(n: int, p: float) -> list[float]:
-    """P(S = k) for k = 0..n, S ~ Binomial(n, p)."""
-    return [math.comb(n, k) * p**k * (1.0 - p) ** (n - k) for k in range(n + 1)]
+    """P(S = k) for k = 0..n, S ~ Binomial(n, p); in logarithms, so that thousands of replicas
+    neither overflow C(n, k) nor underflow p^k."""
+    if p <= 0.0 or p >= 1.0:
+        return [1.0 if k == (n if p >= 1.0 else 0) else 0.0 for k in range(n + 1)]
+    lp, lq, ln = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    return [math.exp(ln - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * lp + (n - k) * lq) for k in range(n + 1)]
 
 
 def goodput(replicas: int, round_s: float, faults: Faults, heal_s: float = 0.0) -> Goodput:
