@@ -1,6 +1,7 @@
-"""Parsing of human units: bandwidths (``1gbit``), latencies (``50us``) and sizes (``25MB``).
+"""Parsing of human units: bandwidths (``1gbit``), latencies (``50us``), durations (``5min``) and
+sizes (``25MB``).
 
-Bandwidths are returned in bits per second, latencies in seconds, sizes in bytes.
+Bandwidths are returned in bits per second, latencies and durations in seconds, sizes in bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from gradzip.errors import SpecError
 # "100Mbit", "100Mb/s", "100mbps" are bits; "12.5MB/s", "12.5MBps" are bytes (8 bits).
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_DURATION = {**_TIME, "min": 60.0, "h": 3600.0}
 _SIZE = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _NUM = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
 
@@ -69,6 +71,12 @@ def parse_bandwidth(text: str | float) -> float:
 def parse_latency(text: str | float) -> float:
     """``"50us"`` -> 5e-5 seconds. A bare number is seconds."""
     return _parse(text, _TIME, "latency", "s")
+
+
+def parse_duration(text: str | float) -> float:
+    """``"5min"`` -> 300 seconds (units ``ns``, ``us``, ``ms``, ``s``, ``min``, ``h``). A bare
+    number is seconds; must not be negative."""
+    return _parse(text, _DURATION, "duration", "s")
 
 
 def parse_size(text: str | float) -> int:

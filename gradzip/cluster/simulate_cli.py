@@ -13,13 +13,14 @@ from pathlib import Path
 
 from gradzip.cluster import sharded, simulate
 from gradzip.cluster.auto import plan
+from gradzip.cluster.goodput import Faults, Goodput, json_fields, mtbf_from_rate, predict_goodput
 from gradzip.cluster.network import ALGORITHMS, Cluster, CodecCost
 from gradzip.cluster.simulate import DTYPES, Prediction, Workload, parse_sync, predict
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError
 from gradzip.models import MODEL_SIZES
 from gradzip.plan.auto import AutoSpec, is_auto, parse_auto
-from gradzip.units import parse_bandwidth, parse_latency
+from gradzip.units import parse_bandwidth, parse_duration, parse_latency
 
 
 # ------------------------------------------------------------------------------ encode costs
@@ -126,6 +127,11 @@ Example (the projection in docs/simulator.md):
 DiLoCo beside per-step exchange (every --sync with every --compressor, one row each):
   gradzip simulate --model bert-large --nodes 4 --gpus-per-node 1 --tokens-per-second 5600 \\
       --compressor none --compressor fp16 --sync step --sync diloco:every=100
+Goodput of DiLoCo through failures (a failure a minute in the cluster; the model: the docstring of
+gradzip/cluster/goodput.py):
+  gradzip simulate --model bert-tiny --nodes 4 --gpus-per-node 1 --inter-bandwidth 100mbit \\
+      --tokens-per-second 5600 --compressor topk:ratio=0.01,ef=true --sync diloco:every=32 \\
+      --failures-per-minute 1 --recovery 20s --min-replicas 3
 Sharded training beside DDP (--fsdp or --hsdp, one row each per compressor, with per-GPU memory;
 the model: the docstring of gradzip/cluster/sharded.py):
   gradzip simulate --model bert-large --nodes 8 --gpus-per-node 4 --tokens-per-second 5600 \\
@@ -181,6 +187,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "compressor beside DDP's, with per-GPU memory columns")
     a("--hsdp", action="store_true",
       help="also model HSDP (sharded inside each node, replicated across nodes; needs >= 2 GPUs per node)")
+    a("--mtbf", default=None, metavar="TIME",
+      help="mean time between failures of one replica (each worker is one), e.g. 30min: adds goodput and "
+           "participation to the outer --sync rows (model: gradzip/cluster/goodput.py)")
+    a("--failures-per-minute", type=float, default=None, metavar="F",
+      help="failures a minute in the whole cluster, instead of --mtbf (an MTBF of 60 * replicas / F s each)")
+    a("--recovery", default=None, metavar="TIME",
+      help="a failed replica's restart time, before its heal from a live peer (default 0s; needs a failure rate)")
+    a("--min-replicas", type=int, default=None, metavar="M",
+      help="replicas a sync needs to commit, else the round is retried (default 1; needs a failure rate)")
     a("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -209,6 +224,49 @@ def _bandwidth(text: str, flag: str) -> float:
         raise GradzipError(f"{flag}: {e}") from None
 
 
+def _faults(args: argparse.Namespace, cl: Cluster, syncs: list) -> Faults | None:
+    """The failure process of the flags, or None without them; one-line errors for what the
+    goodput model cannot take."""
+    given = [flag for flag, v in (("--mtbf", args.mtbf), ("--failures-per-minute", args.failures_per_minute),
+                                  ("--recovery", args.recovery), ("--min-replicas", args.min_replicas))
+             if v is not None]
+    if not given:
+        return None
+    if not any(sync.outer for _, sync in syncs):
+        raise GradzipError(f"{given[0]} models the rounds of an outer sync: add --sync diloco:every=H "
+                           "(or localsgd:every=H)")
+    if args.mtbf is not None and args.failures_per_minute is not None:
+        raise GradzipError("give one of --mtbf (per replica) and --failures-per-minute (the whole cluster), not both")
+    if args.mtbf is None and args.failures_per_minute is None:
+        raise GradzipError(f"{given[0]} needs a failure rate: add --mtbf TIME (per replica, e.g. 30min) or "
+                           "--failures-per-minute F (the whole cluster)")
+    if args.mtbf is not None:
+        mtbf = _duration(args.mtbf, "--mtbf")
+        if mtbf == 0:
+            raise GradzipError(f"--mtbf must be positive (e.g. 60s, 30min), got {args.mtbf!r}")
+    else:
+        mtbf = mtbf_from_rate(args.failures_per_minute, cl.workers)
+    faults = Faults(mtbf, 0.0 if args.recovery is None else _duration(args.recovery, "--recovery"),
+                    1 if args.min_replicas is None else args.min_replicas)
+    if faults.min_replicas > cl.workers:
+        raise GradzipError(f"--min-replicas {faults.min_replicas} is more than the {cl.workers} replicas "
+                           f"(nodes x gpus-per-node); give at most {cl.workers}")
+    return faults
+
+
+def _duration(text: str, flag: str) -> float:
+    if str(text).strip().startswith("-"):
+        raise GradzipError(f"{flag} must be positive (e.g. 60s, 30min), got {text!r}"
+                           if flag == "--mtbf" else f"{flag} must not be negative (e.g. 20s), got {text!r}")
+    try:
+        value = parse_duration(text)
+    except GradzipError as e:
+        raise GradzipError(f"{flag}: {e}") from None
+    if not math.isfinite(value):
+        raise GradzipError(f"{flag} must be finite, got {text!r}")
+    return value
+
+
 def _sharded_mode(args: argparse.Namespace, cl: Cluster, syncs: list) -> str | None:
     """The sharded mode asked for (``fsdp``, ``hsdp``) or None; one-line errors for what it cannot model."""
     if args.fsdp and args.hsdp:
@@ -228,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
     work, cl = _build(args)
     specs = args.compressor or ["none"]
     syncs = [(text.strip(), parse_sync(text)) for text in args.sync or ["step"]]
+    faults = _faults(args, cl, syncs)
     mode = _sharded_mode(args, cl, syncs)
     autos = [parse_auto(s) for s in specs if is_auto(s)]
     if autos:
@@ -238,22 +297,26 @@ def run(args: argparse.Namespace) -> int:
         return run_sharded(args, mode, work, cl, specs)
     memory = None if args.memory_bandwidth is None else _bandwidth(args.memory_bandwidth, "--memory-bandwidth")
     codecs = {spec: codec_for(spec, args.encode_cost, args.aggregate_cost) for spec in specs}
+    cells = [(spec, text, sync) for text, sync in syncs for spec in specs]  # every --sync with every --compressor
     rows = [(spec, text, predict(spec, work, cl, codecs[spec], args.tokens, args.epochs, sync, memory))
-            for text, sync in syncs for spec in specs]  # every --sync with every --compressor
+            for spec, text, sync in cells]
+    goodputs = None if faults is None else [predict_goodput(p, sync, cl, faults)
+                                            for (_, _, sync), (_, _, p) in zip(cells, rows)]
     if args.json:
-        json.dump({"cluster": asdict(cl), "workload": asdict(work),
-                   "results": [dict(asdict(p), codec=asdict(codecs[spec])) for spec, _, p in rows]},
-                  sys.stdout, indent=1)
+        results = [dict(asdict(p), codec=asdict(codecs[spec])) for spec, _, p in rows]
+        for r, g, (_, _, p) in zip(results, goodputs or [], rows):
+            r.update(json_fields(g, p.tokens_per_s))
+        json.dump({"cluster": asdict(cl), "workload": asdict(work), "results": results}, sys.stdout, indent=1)
         print()
         return 0
-    print_table(args, work, cl, rows)
+    print_table(args, work, cl, rows, goodputs)
     return 0
 
 
 def print_table(args: argparse.Namespace, work: Workload, cl: Cluster,
-                rows: list[tuple[str, str, Prediction]]) -> None:
+                rows: list[tuple[str, str, Prediction]], goodputs: list[Goodput | None] | None = None) -> None:
     """The table of ``gradzip simulate``: one row per (compressor, --sync), under a line that says
-    what was modelled."""
+    what was modelled; with ``goodputs`` (the failure flags), the goodput model's columns of each row."""
     p0, with_sync = rows[0][2], args.sync is not None  # without --sync: the table as before --sync existed
     print(f"{work.model}: {p0.params / 1e6:.1f} M parameters; {cl.nodes} nodes x {cl.gpus_per_node} GPUs = "
           f"{cl.workers} workers; {args.inter_bandwidth} between nodes, {args.intra_bandwidth} inside; "
@@ -263,19 +326,42 @@ def print_table(args: argparse.Namespace, work: Workload, cl: Cluster,
     head = (f"{'compressor':<{width}}" + (f" {'sync':<{sw}}" if with_sync else "")
             + f" {'exchange':>9} {'MB/GPU':>8} {'ratio':>7} {'compute':>8} {'compress':>9} "
             f"{'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10} {'util.' if with_sync else 'eff.':>6}"
-            + (f" {'MB/sync':>8} {'sync+':>9}" if with_sync else "") + (f" {'days':>7}" if args.tokens else ""))
+            + (f" {'MB/sync':>8} {'sync+':>9}" if with_sync else "")
+            + (f" {'round':>8} {'absent':>8} {'commit':>7} {'partic.':>7} {'goodput':>7}" if goodputs else "")
+            + (f" {'days':>7}" if args.tokens else ""))
     print(head)
-    for spec, text, p in rows:
+    for i, (spec, text, p) in enumerate(rows):
         line = (f"{spec:<{width}}" + (f" {text:<{sw}}" if with_sync else "")
                 + f" {p.exchange:>9} {p.payload_bytes / 1e6:>8.2f} {p.compression_ratio:>6.1f}x "
                 f"{p.compute_s * 1e3:>6.0f}ms {p.compress_s * 1e3:>7.0f}ms {p.comm_s * 1e3:>6.0f}ms "
                 f"{p.exposed_comm_s * 1e3:>6.0f}ms {p.step_s * 1e3:>6.0f}ms {p.tokens_per_s:>10,.0f} "
                 f"{p.scaling_efficiency:>5.0%}"
-                + (f" {p.bytes_per_sync / 1e6:>8.2f} {p.sync_exposed_s * 1e3:>7.0f}ms" if with_sync else ""))
+                + (f" {p.bytes_per_sync / 1e6:>8.2f} {p.sync_exposed_s * 1e3:>7.0f}ms" if with_sync else "")
+                + (_goodput_columns(goodputs[i]) if goodputs else ""))
         print(line + (f" {p.days:>7.1f}" if p.days is not None else ""))
     if with_sync:
         print("Per step (diloco, localsgd: means over a period of H steps); util. = compute / step.\n"
               "MB/sync: one exchange (one fragment); sync+: what one period's exchanges add to its H steps.")
+    if goodputs:
+        g = next(g for g in goodputs if g is not None)
+        mtbf = "no failures" if math.isinf(g.mtbf_s) else (
+            f"MTBF {g.mtbf_s:g} s per replica, {60 * g.replicas / g.mtbf_s:.3g}/min in the cluster")
+        print(f"Failures: {mtbf}; a failed replica restarts in {g.recovery_s:g} s, heals from a live peer and "
+              f"rejoins at the next round; a sync commits with >= {g.min_replicas} of {g.replicas}.\n"
+              "round: H steps and their sync; absent: restart + heal; commit: P(a round commits); partic.: mean "
+              "fraction of the\nreplicas in a committed sync; goodput: committed tokens / the fault-free run's"
+              + (" (days: fault-free)." if args.tokens else "."))
+
+
+def _goodput_columns(g: Goodput | None) -> str:
+    if g is None:  # per-step rows: no rounds to model
+        return f" {'-':>8} {'-':>8} {'-':>7} {'-':>7} {'-':>7}"
+    return (f" {_seconds(g.round_s):>8} {_seconds(g.absent_s):>8} {g.commit_probability:>7.1%} "
+            f"{g.participation:>7.1%} {g.goodput:>7.1%}")
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.0f}ms" if s < 1 else f"{s:.1f}s" if s < 1000 else f"{s:.0f}s"
 
 
 # ------------------------------------------------------------------------------ --compressor auto
