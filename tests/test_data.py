@@ -407,3 +407,76 @@ def test_default_corpus(tmp_path, monkeypatch):
     text = data.tokenizer.decode(b["input_ids"][0])
     assert len(text.split()) > 5
     shutil.rmtree(own)  # ~60 MB; pytest keeps the tmp dirs of the last runs
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole-word masking
+
+
+def _words(raw: np.ndarray, cont: np.ndarray, length: np.ndarray) -> list[list[list[int]]]:
+    """Each row's words as lists of positions: a piece and the ## pieces right after it."""
+    rows = []
+    for r in range(raw.shape[0]):
+        words: list[list[int]] = []
+        for pos in range(int(length[r])):
+            t = raw[r, pos]
+            if t < len(SPECIAL_TOKENS):
+                words.append([])  # a special token ends the word before it
+            elif cont[t] and words and words[-1]:
+                words[-1].append(pos)
+            else:
+                words.append([pos])
+        rows.append([w for w in words if w])
+    return rows
+
+
+@pytest.mark.parametrize("prob", [0.15, 0.4])
+def test_whole_word_masking_masks_every_piece_of_a_chosen_word(small, prob):
+    data, _ = small
+    cont = data.tokenizer.continuation_ids()
+    assert cont.any() and not cont[:len(SPECIAL_TOKENS)].any()
+    assert all(data.tokenizer.tokenizer.id_to_token(i).startswith("##") for i in np.flatnonzero(cont))
+    args = dict(step=2, worker=1, num_workers=2, batch_size=32, seed=3, mask_prob=prob)
+    b = data.batch("train", whole_word_masking=True, **args)
+    assert all(torch.equal(b[k], v) for k, v in data.batch("train", whole_word_masking=True, **args).items())
+    idx = data.indices("train", 2, 1, 2, 32, 3)
+    raw = data.train.ids[idx].astype(np.int64)
+    sel = (b["labels"] != -100).numpy()
+    assert np.array_equal(b["labels"].numpy()[sel], raw[sel])
+    words = _words(raw, cont, data.train.length[idx])
+    multi = 0
+    for r, row in enumerate(words):
+        n_real = sum(len(w) for w in row)
+        budget = max(1, round(prob * n_real))
+        assert sel[r].sum() <= budget  # never above BERT's per-row budget
+        for w in row:
+            assert sel[r, w].all() or not sel[r, w].any(), (r, w)  # all of a word, or none of it
+            multi += len(w) > 1 and bool(sel[r, w].all())
+    assert multi > 0  # multi-piece words were masked whole
+    real = sum(sum(len(w) for w in row) for row in words)
+    assert abs(sel.sum() / real - prob) < 0.03  # the rate stays that of --mask-prob
+    assert 0.7 < float(((b["input_ids"] == 4) & b["labels"].ne(-100)).sum() / sel.sum()) < 0.9  # 80/10/10
+
+
+def test_whole_word_masking_leaves_the_default_and_the_held_out_batches(small):
+    """Off, the batches are the token-masked ones (bit-identical); on, the held-out batches stay
+    token-masked, and the pairs, order and untouched tokens are the same as without it."""
+    data, _ = small
+    args = dict(step=1, worker=0, num_workers=1, batch_size=16, seed=2)
+    plain, off, on = (data.batch("train", **args), data.batch("train", whole_word_masking=False, **args),
+                      data.batch("train", whole_word_masking=True, **args))
+    assert all(torch.equal(plain[k], off[k]) for k in plain)
+    assert not torch.equal(plain["labels"], on["labels"])
+    for k in ("token_type_ids", "attention_mask", "next_sentence_label"):
+        assert torch.equal(plain[k], on[k])
+    ev = [next(data.eval_batches(batch_size=8)) for _ in range(2)]
+    assert all(torch.equal(ev[0][k], ev[1][k]) for k in ev[0])
+
+
+def test_whole_word_masking_needs_word_pieces():
+    from tokenizers import Tokenizer, models
+
+    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, "a", "b", "ab"])}
+    bpe = WordPieceTokenizer(Tokenizer(models.BPE(vocab, [("a", "b")], unk_token="[UNK]")), "bpe.json")
+    with pytest.raises(GradzipError, match="whole-word masking needs a WordPiece tokenizer"):
+        bpe.continuation_ids()

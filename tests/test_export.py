@@ -50,11 +50,12 @@ def data(corpus) -> PretrainData:
                               seed=0, progress=False)
 
 
-def ours(run: Path, step: int) -> BertForPreTraining:
+def ours(run: Path, step: int, pre_ln: bool = False) -> BertForPreTraining:
     """gradzip's model with the weights of checkpoint ``step``."""
     sd = checkpoint.read(checkpoint.checkpoint_path(run, step), 0)["shared"]["model"]
     v, p = (sd[f"bert.embeddings.{n}_embeddings.weight"].shape[0] for n in ("word", "position"))
-    model = BertForPreTraining(bert_config("bert-tiny", vocab_size=v, max_position_embeddings=p))
+    model = BertForPreTraining(bert_config("bert-tiny", vocab_size=v, max_position_embeddings=p,
+                                           pre_layer_norm=pre_ln))
     load_hf_state_dict(model, sd)
     return model.eval()
 
@@ -187,3 +188,57 @@ def test_model_card_of_a_run_that_stopped_early(run, exported):
     card = export.model_card(run, exported, 1, bert, None, {"step": 1, "loss": 9.5, "tokens": 375}, settings)
     assert f"| compressor | `{SPEC}` |" in card and "| steps | not recorded |" in card
     assert "| training loss at step 1 | 9.5000 |" in card and "no summary.json" in card
+
+
+# ----------------------------------------------------------------------------------------------
+# A --pre-ln run exports as RobertaPreLayerNormForMaskedLM
+
+
+@pytest.fixture(scope="module")
+def pre_ln_export(corpus, tmp_path_factory) -> tuple[Path, Path]:
+    pytest.importorskip("safetensors", reason="the export needs `pip install gradzip[hf]`")
+    run = tmp_path_factory.mktemp("export-preln") / "run"
+    assert main(["train", "--model", "bert-tiny", "--pre-ln", "--seq-len", str(SEQ_LEN), "--batch-size", "4",
+                 "--workers", "1", "--steps", "2", "--checkpoint-every", "1", "--eval-batches", "1", "--no-progress",
+                 "--corpus", str(corpus), "--out", str(run)]) == 0
+    assert "pre_ln = true" in (run / "config.toml").read_text()
+    return run, export.export_hf(run, run.parent / "hf")
+
+
+def test_pre_ln_export_is_roberta_prelayernorm(pre_ln_export):
+    run, out = pre_ln_export
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["architectures"]) == ("roberta-prelayernorm", ["RobertaPreLayerNormForMaskedLM"])
+    assert "pre_layer_norm" not in cfg
+    # RoBERTa numbers positions from pad + 1: the table is pad + 1 rows longer than gradzip's
+    assert cfg["max_position_embeddings"] == max(512, SEQ_LEN) + cfg["pad_token_id"] + 1
+    card = (out / "README.md").read_text()
+    assert "pre-LN" in card and "RobertaPreLayerNormForMaskedLM.from_pretrained" in card
+
+
+def test_pre_ln_export_logits_equal_ours(pre_ln_export, data):
+    transformers = pytest.importorskip("transformers", reason="loading the export needs `pip install gradzip[hf]`")
+    run, out = pre_ln_export
+    for cls in (transformers.RobertaPreLayerNormForMaskedLM, transformers.AutoModelForMaskedLM):
+        mlm, info = cls.from_pretrained(out, output_loading_info=True)
+        assert type(mlm).__name__ == "RobertaPreLayerNormForMaskedLM"
+        assert not any(info[k] for k in ("missing_keys", "mismatched_keys", "error_msgs")), info
+        assert {k.split(".")[1] for k in info["unexpected_keys"]} <= {"pooler"}  # ForMaskedLM has no pooler
+        assert mlm.lm_head.decoder.weight is mlm.roberta_prelayernorm.embeddings.word_embeddings.weight  # tied
+    base = transformers.RobertaPreLayerNormModel.from_pretrained(out).eval()  # with the pooler
+    batch = next(iter(data.eval_batches(batch_size=4, max_batches=1)))
+    inputs = {k: batch[k].clone() for k in ("input_ids", "token_type_ids", "attention_mask")}
+    for row, length in ((1, 40), (2, 17)):  # right-padded rows: RoBERTa's position numbering must agree
+        inputs["attention_mask"][row, length:] = 0
+        inputs["token_type_ids"][row, length:] = 0
+        inputs["input_ids"][row, length:] = data.tokenizer.pad_id
+    model = ours(run, 2, pre_ln=True)
+    with torch.no_grad():
+        ref = model(**inputs, full_logits=True)
+        seq, pooled = model.bert(inputs["input_ids"], inputs["token_type_ids"], inputs["attention_mask"])
+        got = mlm.eval()(**inputs)
+        got_base = base(**inputs)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(got.logits[real], ref.prediction_logits[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_base.last_hidden_state[real], seq[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_base.pooler_output, pooled, rtol=0, atol=1e-5)

@@ -203,3 +203,73 @@ def test_parameter_counts_of_the_named_sizes():
     assert abs(large - 336_226_108) / 336e6 < 0.005
     cfg = bert_config("bert-tiny", vocab_size=500)
     assert num_parameters(cfg) == sum(p.numel() for p in BertForPreTraining(cfg).parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# Pre-LN blocks (--pre-ln): RobertaPreLayerNorm's architecture
+
+
+def _pre_ln_reference(model: BertForPreTraining, ids, types, mask):
+    """Pre-LN BERT written out from the weights: LN before attention and feed-forward, residual
+    added after, a final LN after the last layer, then BERT's MLM transform and tied decoder."""
+    w = {k: v.detach() for k, v in model.state_dict().items()}
+    cfg = model.config
+    eps, h, heads = cfg.layer_norm_eps, cfg.hidden_size, cfg.num_attention_heads
+
+    def ln(x, name):
+        return torch.nn.functional.layer_norm(x, (h,), w[name + ".weight"], w[name + ".bias"], eps)
+
+    def lin(x, name):
+        return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+    b, s = ids.shape
+    x = w["bert.embeddings.word_embeddings.weight"][ids] + w["bert.embeddings.position_embeddings.weight"][:s] \
+        + w["bert.embeddings.token_type_embeddings.weight"][types]
+    x = ln(x, "bert.embeddings.LayerNorm")
+    bias = torch.where(mask.bool(), 0.0, float("-inf"))[:, None, None, :]
+    for n in range(cfg.num_hidden_layers):
+        p = f"bert.encoder.layer.{n}."
+        y = ln(x, p + "attention.LayerNorm")
+        q, k, v = (lin(y, p + f"attention.self.{m}").view(b, s, heads, h // heads).transpose(1, 2)
+                   for m in ("query", "key", "value"))
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(h // heads) + bias, dim=-1) @ v
+        x = x + lin(att.transpose(1, 2).reshape(b, s, h), p + "attention.output.dense")
+        y = torch.nn.functional.gelu(lin(ln(x, p + "intermediate.LayerNorm"), p + "intermediate.dense"))
+        x = x + lin(y, p + "output.dense")
+    x = ln(x, "bert.LayerNorm")
+    t = ln(torch.nn.functional.gelu(lin(x, "cls.predictions.transform.dense")), "cls.predictions.transform.LayerNorm")
+    logits = t @ w["bert.embeddings.word_embeddings.weight"].T + w["cls.predictions.bias"]
+    nsp = lin(torch.tanh(lin(x[:, 0], "bert.pooler.dense")), "cls.seq_relationship")
+    return logits, nsp
+
+
+def test_pre_ln_forward_equals_a_hand_written_reference():
+    model = tiny(pre_layer_norm=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).eval()
+    with torch.no_grad():  # LayerNorms and biases away from (1, 0), so that a mis-wired one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    ids, types, mask, _, _ = inputs(seed=4)
+    with torch.no_grad():
+        out = model(ids, types, mask, full_logits=True)
+        logits, nsp = _pre_ln_reference(model, ids, types, mask)
+    real = mask.bool()
+    torch.testing.assert_close(out.prediction_logits[real], logits[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.seq_relationship_logits, nsp, rtol=0, atol=1e-5)
+
+
+def test_pre_ln_names_shapes_and_default():
+    """Pre-LN moves the LayerNorms (attention.LayerNorm, intermediate.LayerNorm, bert.LayerNorm,
+    RobertaPreLayerNorm's places); parameter_shapes follows; the default stays post-LN."""
+    assert bert_config("bert-tiny").pre_layer_norm is False
+    cfg = bert_config("bert-tiny", vocab_size=500, pre_layer_norm=True)
+    model = BertForPreTraining(cfg)
+    named = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert list(named.items()) == list(parameter_shapes(cfg).items())
+    norms = sorted(n for n in named if "LayerNorm.weight" in n)
+    layers = [f"bert.encoder.layer.{n}.{m}.LayerNorm.weight" for n in (0, 1) for m in ("attention", "intermediate")]
+    assert norms == ["bert.LayerNorm.weight", "bert.embeddings.LayerNorm.weight", *layers,
+                     "cls.predictions.transform.LayerNorm.weight"]
+    post = bert_config("bert-tiny", vocab_size=500)
+    # two LayerNorms per layer either way; pre-LN adds the final one
+    assert num_parameters(cfg) == num_parameters(post) + 2 * 128

@@ -90,7 +90,12 @@ class GeneratedData:
         return UnigramReference(h, top, h, top)
 
     def batch(self, split: str = "train", step: int = 0, worker: int = 0, num_workers: int = 1,
-              batch_size: int = 32, seed: int = 0, mask_prob: float = MASK_PROB) -> dict[str, torch.Tensor]:
+              batch_size: int = 32, seed: int = 0, mask_prob: float = MASK_PROB,
+              whole_word_masking: bool = False) -> dict[str, torch.Tensor]:
+        """The masked batch of ``worker`` at ``step`` (see the module docstring). Whole-word masking
+        does not apply: every word of the language is one token."""
+        if whole_word_masking:
+            raise GradzipError("whole-word masking needs word pieces; a generated language has one token per word")
         if split not in _SPLITS:
             raise GradzipError(f"unknown split {split!r}; use 'train' or 'eval'")
         if step < 0 or batch_size < 1 or num_workers < 1 or not 0 <= worker < num_workers:

@@ -13,6 +13,11 @@ Contract (what training, checkpointing and resume rely on):
   non-special token, 10% stay. Labels hold the original ids at selected positions and -100
   elsewhere. The RNG is seeded by ``(seed, step, worker)``, so masks differ between epochs
   (dynamic masking).
+- Whole-word masking (``whole_word_masking=True``, training batches only): a word is a piece and
+  the ``##`` continuation pieces after it; words are taken in a random order, each one whole, while
+  it fits the row's budget of ``round(15%)`` tokens (a word that would overshoot is skipped, as in
+  BERT's ``create_pretraining_data.py``), so a row masks at most the budget and a few tokens fewer
+  when its words do not add up to it. 80/10/10 is decided per token, as there.
 - ``eval_batches(batch_size, max_batches)`` walks the held-out set in order with fixed masks: the
   same batches every call, for every run on the same corpus, tokenizer and ``seq_len``, whatever
   the seed.
@@ -44,11 +49,14 @@ _EVAL_STREAM = 7  # separates the eval-mask RNG from the training streams
 
 
 def mask_tokens(ids: np.ndarray, length: np.ndarray, rng: np.random.Generator, mask_id: int,
-                special_ids: np.ndarray, vocab_size: int, prob: float = MASK_PROB) -> tuple[np.ndarray, np.ndarray]:
+                special_ids: np.ndarray, vocab_size: int, prob: float = MASK_PROB,
+                continuation: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """BERT masking of a ``(batch, seq)`` id array; returns ``(input_ids, labels)`` as int64.
 
     Exactly ``max(1, round(prob * candidates))`` positions per row are selected among the
-    non-special tokens inside the row's length; 80/10/10 as in the module docstring."""
+    non-special tokens inside the row's length; 80/10/10 as in the module docstring. With
+    ``continuation`` (a boolean array over the ids: the ``##`` pieces), whole words are selected
+    instead, up to that many tokens (:func:`_select_words`)."""
     b, s = ids.shape
     ids = ids.astype(np.int64)
     candidate = (np.arange(s)[None, :] < length[:, None]) & ~np.isin(ids, special_ids)
@@ -56,9 +64,13 @@ def mask_tokens(ids: np.ndarray, length: np.ndarray, rng: np.random.Generator, m
     n_mask = np.where(n_cand > 0, np.maximum(1, np.rint(prob * n_cand)), 0).astype(np.int64)
     # A random order of the candidates per row: the first n_mask in that order are selected.
     scores = np.where(candidate, rng.random((b, s)), 2.0)
-    ranks = np.empty((b, s), dtype=np.int64)
-    np.put_along_axis(ranks, np.argsort(scores, axis=1, kind="stable"), np.arange(s)[None, :].repeat(b, 0), axis=1)
-    selected = ranks < n_mask[:, None]
+    if continuation is None:
+        ranks = np.empty((b, s), dtype=np.int64)
+        np.put_along_axis(ranks, np.argsort(scores, axis=1, kind="stable"), np.arange(s)[None, :].repeat(b, 0),
+                          axis=1)
+        selected = ranks < n_mask[:, None]
+    else:
+        selected = _select_words(candidate, continuation[ids], scores, n_mask)
     labels = np.where(selected, ids, -100)
     u = rng.random((b, s))
     normal = np.setdiff1d(np.arange(vocab_size), special_ids)
@@ -66,6 +78,33 @@ def mask_tokens(ids: np.ndarray, length: np.ndarray, rng: np.random.Generator, m
     out = np.where(selected & (u < 0.8), mask_id, ids)
     out = np.where(selected & (u >= 0.8) & (u < 0.9), random_ids, out)
     return out, labels
+
+
+def _select_words(candidate: np.ndarray, piece: np.ndarray, scores: np.ndarray, n_mask: np.ndarray) -> np.ndarray:
+    """Whole-word selection: ``(batch, seq)`` booleans. A word starts at a candidate that is not a
+    continuation piece (``piece`` False), or at one whose left neighbour is no candidate (a row that
+    begins inside a word); it takes the continuation candidates after it. Words go in the order of
+    their first piece's score; each is taken whole while ``n_mask`` of the row's tokens allow."""
+    b, s = candidate.shape
+    prev = np.zeros_like(candidate)
+    prev[:, 1:] = candidate[:, :-1]
+    start = candidate & (~piece | ~prev)
+    word = np.cumsum(start, axis=1) - 1  # the word index of each position (valid at candidates)
+    selected = np.zeros((b, s), dtype=bool)
+    for r in range(b):
+        starts = np.flatnonzero(start[r])
+        if starts.size == 0:
+            continue
+        sizes = np.bincount(word[r][candidate[r]], minlength=starts.size)
+        taken = np.zeros(starts.size, dtype=bool)
+        budget = int(n_mask[r])
+        for w in np.argsort(scores[r, starts], kind="stable"):
+            if budget == 0:
+                break
+            if sizes[w] <= budget:  # a word that would overshoot is skipped, a shorter one may still fit
+                taken[w], budget = True, budget - int(sizes[w])
+        selected[r] = candidate[r] & taken[np.maximum(word[r], 0)]
+    return selected
 
 
 @dataclass(frozen=True)
@@ -126,6 +165,7 @@ class PretrainData:
         self.directory = directory
         self.vocab_size = tokenizer.vocab_size
         self._perms: dict[tuple[str, int, int], np.ndarray] = {}
+        self._continuation: np.ndarray | None = None
 
     @classmethod
     def build(cls, corpus: str | os.PathLike | None = None, seq_len: int = 128, vocab_size: int | None = None,
@@ -200,16 +240,26 @@ class PretrainData:
         return self._perm(split, seed, epoch, n)[start:start + batch_size]
 
     def batch(self, split: str = "train", step: int = 0, worker: int = 0, num_workers: int = 1,
-              batch_size: int = 32, seed: int = 0, mask_prob: float = MASK_PROB) -> dict[str, torch.Tensor]:
+              batch_size: int = 32, seed: int = 0, mask_prob: float = MASK_PROB,
+              whole_word_masking: bool = False) -> dict[str, torch.Tensor]:
         """The masked batch of ``worker`` at ``step`` (a pure function of the arguments).
         ``mask_prob``: the share of each row's tokens selected for prediction (BERT: 0.15; Wettig et
-        al. 2023 train faster with 0.4). The held-out batches always use 0.15, so that evaluations
+        al. 2023 train faster with 0.4). ``whole_word_masking``: select whole words (module
+        docstring). The held-out batches always use 0.15 token by token, so that evaluations
         compare across runs and with the context-free references."""
         if not 0.0 < mask_prob < 1.0:
             raise GradzipError(f"mask_prob must be in (0, 1), got {mask_prob}")
         idx = self.indices(split, step, worker, num_workers, batch_size, seed)
         rng = np.random.default_rng([seed, step, worker, _SPLITS[split]])
-        return self._make(self._set(split), idx, rng, mask_prob)
+        return self._make(self._set(split), idx, rng, mask_prob, self.continuation if whole_word_masking else None)
+
+    @property
+    def continuation(self) -> np.ndarray:
+        """The tokenizer's continuation pieces (:meth:`WordPieceTokenizer.continuation_ids`), cached;
+        a tokenizer without them is a :class:`GradzipError`, raised on first use."""
+        if self._continuation is None:
+            self._continuation = self.tokenizer.continuation_ids()
+        return self._continuation
 
     def eval_batches(self, batch_size: int = 32, max_batches: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Batches over the held-out set in order, masks fixed; the last one may be smaller."""
@@ -223,15 +273,16 @@ class PretrainData:
             idx = np.arange(k * batch_size, min(n, (k + 1) * batch_size))
             yield self._make(self.eval, idx, np.random.default_rng([EVAL_SEED, k, _EVAL_STREAM]))
 
-    def _make(self, ex: ExampleSet, idx: np.ndarray, rng: np.random.Generator,
-              mask_prob: float = MASK_PROB) -> dict[str, torch.Tensor]:
+    def _make(self, ex: ExampleSet, idx: np.ndarray, rng: np.random.Generator, mask_prob: float = MASK_PROB,
+              continuation: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         order = np.argsort(idx, kind="stable")  # read the memmap in file order, then restore the order
         ids = np.empty((idx.size, self.seq_len), dtype=ex.ids.dtype)
         ids[order] = ex.ids[idx[order]]
         length = ex.length[idx].astype(np.int64)
         b_start = ex.b_start[idx].astype(np.int64)
         tok = self.tokenizer
-        input_ids, labels = mask_tokens(ids, length, rng, tok.mask_id, tok.special_ids, self.vocab_size, mask_prob)
+        input_ids, labels = mask_tokens(ids, length, rng, tok.mask_id, tok.special_ids, self.vocab_size, mask_prob,
+                                        continuation)
         pos = np.arange(self.seq_len)[None, :]
         attention = pos < length[:, None]
         token_types = (pos >= b_start[:, None]) & attention

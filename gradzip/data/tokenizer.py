@@ -69,6 +69,23 @@ class WordPieceTokenizer:
             special_tokens=[("[CLS]", self.cls_id), ("[SEP]", self.sep_id)])
         self.fingerprint = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
+    def continuation_ids(self) -> np.ndarray:
+        """A boolean array over the ids: True for WordPiece continuation pieces (``##ing``), which
+        belong to the word of the piece before them. Whole-word masking reads words from it; a
+        tokenizer that is not WordPiece has no such pieces, a :class:`GradzipError`."""
+        model = self.tokenizer.model
+        prefix = getattr(model, "continuing_subword_prefix", None)
+        if type(model).__name__ != "WordPiece" or not prefix:
+            raise GradzipError(f"tokenizer {self.source} is a {type(model).__name__} model without WordPiece "
+                               "continuation pieces (##), so its words are unknown; whole-word masking needs a "
+                               "WordPiece tokenizer")
+        out = np.zeros(self.vocab_size, dtype=bool)
+        for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            if token.startswith(prefix) and len(token) > len(prefix) and i < self.vocab_size:
+                out[i] = True
+        out[self.special_ids] = False
+        return out
+
     def encode(self, text: str, pair: str | None = None, special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (and ``pair``), with ``[CLS]``/``[SEP]`` unless ``special_tokens=False``."""
         return list(self.tokenizer.encode(text, pair, add_special_tokens=special_tokens).ids)

@@ -12,6 +12,13 @@ loads into transformers). Differences from the HF implementation, none of which 
 - no ``position_ids``/``token_type_ids`` buffers (positions are ``arange``), so the state dict has
   only parameters; :func:`load_hf_state_dict` drops those buffers from HF state dicts.
 
+``BertConfig(pre_layer_norm=True)`` builds pre-LN blocks instead, the architecture of Hugging Face's
+``RobertaPreLayerNorm*`` models: each layer normalises its input before the attention
+(``attention.LayerNorm``) and before the feed-forward (``intermediate.LayerNorm``) and adds the
+residual after, unnormalised; ``bert.LayerNorm`` normalises the last layer's output (before the
+pooler and the heads). The embeddings and the heads are unchanged. ``gradzip export`` renames the
+weights to RobertaPreLayerNorm's (:mod:`gradzip.training.export`).
+
 Mixed precision: the model runs under ``torch.autocast`` (bf16 on CPU, fp16 or bf16 on CUDA);
 losses are computed in fp32 from the (autocast) logits.
 """
@@ -49,6 +56,7 @@ class BertConfig:
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
+    pre_layer_norm: bool = False  # not an HF BertConfig field: pre-LN blocks (RobertaPreLayerNorm's)
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -118,14 +126,21 @@ def parameter_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
                                    ("attention.self.value", (h, h)), ("attention.output.dense", (h, h))):
             shapes[p + lin + ".weight"] = (out_f, in_f)
             shapes[p + lin + ".bias"] = (out_f,)
-        shapes[p + "attention.output.LayerNorm.weight"] = (h,)
-        shapes[p + "attention.output.LayerNorm.bias"] = (h,)
+        norms = ("attention.LayerNorm", "intermediate.LayerNorm") if cfg.pre_layer_norm else \
+            ("attention.output.LayerNorm",)
+        for norm in norms:
+            shapes[p + norm + ".weight"] = (h,)
+            shapes[p + norm + ".bias"] = (h,)
         shapes[p + "intermediate.dense.weight"] = (i, h)
         shapes[p + "intermediate.dense.bias"] = (i,)
         shapes[p + "output.dense.weight"] = (h, i)
         shapes[p + "output.dense.bias"] = (h,)
-        shapes[p + "output.LayerNorm.weight"] = (h,)
-        shapes[p + "output.LayerNorm.bias"] = (h,)
+        if not cfg.pre_layer_norm:
+            shapes[p + "output.LayerNorm.weight"] = (h,)
+            shapes[p + "output.LayerNorm.bias"] = (h,)
+    if cfg.pre_layer_norm:  # the final LayerNorm after the last layer
+        shapes["bert.LayerNorm.weight"] = (h,)
+        shapes["bert.LayerNorm.bias"] = (h,)
     shapes.update({
         "bert.pooler.dense.weight": (h, h),
         "bert.pooler.dense.bias": (h,),
@@ -197,16 +212,18 @@ class _SelfAttention(nn.Module):
 
 
 class _DenseNorm(nn.Module):
-    """dense -> dropout -> residual add -> LayerNorm (HF's BertSelfOutput / BertOutput)."""
+    """dense -> dropout -> residual add -> LayerNorm (HF's BertSelfOutput / BertOutput); pre-LN
+    blocks leave out the LayerNorm (RobertaPreLayerNormSelfOutput / -Output)."""
 
     def __init__(self, cfg: BertConfig, in_features: int) -> None:
         super().__init__()
         self.dense = nn.Linear(in_features, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.LayerNorm = None if cfg.pre_layer_norm else nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
-        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+        x = self.dropout(self.dense(x)) + residual
+        return x if self.LayerNorm is None else self.LayerNorm(x)
 
 
 class _Attention(nn.Module):
@@ -214,19 +231,22 @@ class _Attention(nn.Module):
         super().__init__()
         self.self = _SelfAttention(cfg)
         self.output = _DenseNorm(cfg, cfg.hidden_size)
+        # pre-LN: the attention reads its normalised input, the residual is the raw one
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.pre_layer_norm else None
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        return self.output(self.self(x, mask), x)
+        return self.output(self.self(x if self.LayerNorm is None else self.LayerNorm(x), mask), x)
 
 
 class _Intermediate(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.pre_layer_norm else None
         self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.act(self.dense(x))
+        return self.act(self.dense(x if self.LayerNorm is None else self.LayerNorm(x)))
 
 
 class _Layer(nn.Module):
@@ -262,12 +282,15 @@ class _Pooler(nn.Module):
 
 
 class BertModel(nn.Module):
-    """The encoder: embeddings, transformer layers, pooler (HF ``BertModel``)."""
+    """The encoder: embeddings, transformer layers, pooler (HF ``BertModel``; pre-LN: with the
+    final ``LayerNorm`` of ``RobertaPreLayerNormModel`` before the pooler)."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.embeddings = _Embeddings(cfg)
         self.encoder = _Encoder(cfg)
+        # pre-LN: the residual stream is never normalised inside the layers, so once at the end
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.pre_layer_norm else None
         self.pooler = _Pooler(cfg)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor,
@@ -277,6 +300,8 @@ class BertModel(nn.Module):
             # (b, 1, 1, s) boolean: True = attend. Broadcast over heads and query positions.
             mask = attention_mask.to(torch.bool)[:, None, None, :]
         x = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
+        if self.LayerNorm is not None:
+            x = self.LayerNorm(x)
         return x, self.pooler(x)
 
 

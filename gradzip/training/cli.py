@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("what to train")
     flag(g, "--model", "bert-tiny|bert-mini|bert-small|bert-medium|bert-base|bert-large")
+    flag(g, "--pre-ln", "pre-LayerNorm blocks (LayerNorm before the attention and the feed-forward, one after the "
+         "last layer: Hugging Face's RobertaPreLayerNorm) instead of BERT's post-LN", show_default=False,
+         action="store_true")
     flag(g, "--compressor", "compressor spec, e.g. powersgd:rank=4 or topk:ratio=0.01,ef=true (see gradzip ls)",
          metavar="SPEC")
     flag(g, "--exchange", "how payloads combine, one of the compressor's schemes (gradzip ls): allgather, allreduce, "
@@ -134,6 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(g, "--vocab-size", "WordPiece vocabulary size (default: the model's)", show_default=False, type=int)
     flag(g, "--mask-prob", "share of tokens masked in training batches (BERT 0.15; 0.4 learns faster, "
          "Wettig et al. 2023); held-out batches always mask 0.15", type=float)
+    flag(g, "--whole-word-masking", "mask all WordPiece pieces of a chosen word together, words chosen until "
+         "--mask-prob of the tokens are (BERT's whole-word masking); held-out batches stay token-masked",
+         show_default=False, action="store_true")
     flag(g, "--tokenizer", "use this vocab.txt or tokenizer.json instead of training a WordPiece vocabulary on "
          "the corpus", show_default=False, metavar="FILE")
 

@@ -78,6 +78,7 @@ class TrainConfig:
 
     # -- what is trained, how it communicates
     model: str = "bert-tiny"
+    pre_ln: bool = False  # pre-LayerNorm blocks (Hugging Face's RobertaPreLayerNorm), instead of BERT's post-LN
     compressor: str = "none"
     exchange: str | None = None  # the scheme (gradzip ls), instead of the spec's exchange=...
     sync: str = "step"  # step (every step), diloco:every=H,..., localsgd:every=H (gradzip.plan.sync)
@@ -116,6 +117,7 @@ class TrainConfig:
     vocab_size: int | None = None
     tokenizer: str | None = None  # a vocab.txt or tokenizer.json to use instead of training one
     mask_prob: float = 0.15  # share of tokens masked in training batches (held-out batches: always 0.15)
+    whole_word_masking: bool = False  # mask every piece of a chosen word (training batches; held-out: unchanged)
     # -- evaluation, checkpoints, outputs
     eval_every: int = 50
     eval_batches: int = 16

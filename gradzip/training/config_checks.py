@@ -28,9 +28,13 @@ def _flat_memory(comp: Any) -> bool:
 
 
 def check_generated(cfg: Any, source: str) -> None:
-    """``--corpus hmm[:options]`` (a generated language): its options, and no ``--tokenizer``."""
+    """``--corpus hmm[:options]`` (a generated language): its options, and no ``--tokenizer`` or
+    ``--whole-word-masking``."""
     if not is_generated(cfg.corpus):
         return
+    if cfg.whole_word_masking:
+        raise GradzipError(f"{_pre(source)}--whole-word-masking: a generated language (--corpus hmm) has one token "
+                           "per word, no word pieces to mask together; drop --whole-word-masking")
     try:
         HMMSpec.parse(cfg.corpus)
     except GradzipError as e:

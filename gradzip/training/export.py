@@ -1,8 +1,10 @@
 """``gradzip export RUN_DIR --to hf OUT_DIR``: a run's checkpoint as a Hugging Face model directory.
 
 :func:`export_hf` writes a directory that ``transformers.BertForPreTraining.from_pretrained`` and
-``BertForMaskedLM.from_pretrained`` load unchanged, and that ``BertTokenizerFast.from_pretrained``
-(or ``AutoTokenizer``) reads into a tokenizer giving the ids gradzip gave during training:
+``BertForMaskedLM.from_pretrained`` load unchanged (a ``--pre-ln`` run's:
+``RobertaPreLayerNormForMaskedLM``, see :func:`hf_weights`), and that
+``BertTokenizerFast.from_pretrained`` (or ``AutoTokenizer``) reads into a tokenizer giving the ids
+gradzip gave during training:
 
 - ``config.json``: gradzip's :class:`~gradzip.models.BertConfig` under HF ``BertConfig`` names;
 - ``model.safetensors``: the model state dict of the checkpoint (rank 0's file holds the full one,
@@ -67,6 +69,7 @@ def export_hf(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     weights = model_weights(checkpoint.read(ckpt_path, 0)["shared"], ckpt_path)
     cfg = model_config(train_cfg, weights, ckpt_path)
     tok = run_tokenizer(train_cfg, cfg.vocab_size)
+    weights = hf_weights(cfg, weights)
     files = {
         "config.json": json.dumps(hf_config(cfg, weights), indent=2) + "\n",
         **tokenizer_files(tok, cfg.max_position_embeddings),
@@ -173,7 +176,7 @@ def model_config(train_cfg: TrainConfig, weights: dict[str, torch.Tensor], path:
         raise GradzipError(f"checkpoint {path} lacks {e.args[0]}; it is not a gradzip BERT checkpoint") from None
     cfg = bert_config(train_cfg.model, vocab_size=vocab, max_position_embeddings=positions,
                       hidden_dropout_prob=train_cfg.dropout, attention_probs_dropout_prob=train_cfg.dropout,
-                      initializer_range=train_cfg.init_std)
+                      initializer_range=train_cfg.init_std, pre_layer_norm=train_cfg.pre_ln)
     expected = {k: s for k, s in parameter_shapes(cfg).items() if k not in _TIED}
     got = {k: tuple(v.shape) for k, v in weights.items()}
     wrong = sorted(set(expected) ^ set(got)) + sorted(k for k in expected if k in got and got[k] != expected[k])
@@ -183,12 +186,52 @@ def model_config(train_cfg: TrainConfig, weights: dict[str, torch.Tensor], path:
     return cfg
 
 
+def hf_weights(cfg: BertConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights under the names of the HF model the export is: BERT's are gradzip's own; a pre-LN
+    model's are ``RobertaPreLayerNormForMaskedLM``'s (``bert.`` → ``roberta_prelayernorm.``, the MLM
+    transform and bias → ``lm_head.``). RoBERTa numbers positions from ``pad_token_id + 1`` (padding
+    sits at ``pad_token_id``), so the position table moves down by that many rows, which are zeros:
+    a right-padded input then sees the positions it was trained with. The next-sentence head has no
+    place in RobertaPreLayerNorm and is left out; the pooler stays (``RobertaPreLayerNormModel``'s)."""
+    if not cfg.pre_layer_norm:
+        return weights
+    out: dict[str, torch.Tensor] = {}
+    for k, v in weights.items():
+        if k.startswith("cls.seq_relationship."):
+            continue
+        if k == "bert.embeddings.position_embeddings.weight":
+            v = torch.cat([v.new_zeros(cfg.pad_token_id + 1, v.shape[1]), v])
+        for ours, theirs in _PRE_LN_NAMES:
+            if k.startswith(ours):
+                k = theirs + k[len(ours):]
+                break
+        out[k] = v
+    return out
+
+
+# gradzip's names -> RobertaPreLayerNormForMaskedLM's (the first prefix that matches)
+_PRE_LN_NAMES = (("bert.", "roberta_prelayernorm."), ("cls.predictions.transform.LayerNorm.", "lm_head.layer_norm."),
+                 ("cls.predictions.transform.", "lm_head."), ("cls.predictions.bias", "lm_head.bias"))
+_WORDS = {False: "bert.embeddings.word_embeddings.weight",
+          True: "roberta_prelayernorm.embeddings.word_embeddings.weight"}
+
+
 def hf_config(cfg: BertConfig, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     """``config.json`` for HF ``BertConfig``: gradzip's field names are HF's, plus the keys that
-    ``AutoModel`` and the tied decoder need."""
+    ``AutoModel`` and the tied decoder need. A pre-LN model's is a ``RobertaPreLayerNormConfig``
+    for the weights of :func:`hf_weights` (its position table ``pad_token_id + 1`` rows longer)."""
     fields = dataclasses.asdict(cfg)
+    del fields["pre_layer_norm"]  # gradzip's switch; the model type says it
     fields["hidden_act"] = _HF_ACT[cfg.hidden_act]
-    dtype = str(weights["bert.embeddings.word_embeddings.weight"].dtype).removeprefix("torch.")
+    dtype = str(weights[_WORDS[cfg.pre_layer_norm]].dtype).removeprefix("torch.")
+    if cfg.pre_layer_norm:
+        if cfg.hidden_act != "gelu":  # RoBERTa's MLM head applies the exact GELU, whatever hidden_act says
+            raise GradzipError(f"a pre-LN model with hidden_act {cfg.hidden_act} has no RobertaPreLayerNorm "
+                               "counterpart (its MLM head is fixed to gelu); only gelu models export")
+        fields["max_position_embeddings"] = cfg.max_position_embeddings + cfg.pad_token_id + 1
+        return {"architectures": ["RobertaPreLayerNormForMaskedLM"], "model_type": "roberta-prelayernorm", **fields,
+                "position_embedding_type": "absolute", "tie_word_embeddings": True, "classifier_dropout": None,
+                "use_cache": True, "dtype": dtype}
     return {
         "architectures": ["BertForPreTraining"],
         "model_type": "bert",
@@ -258,6 +301,7 @@ def tokenizer_files(tok: WordPieceTokenizer, max_length: int) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- the model card
+_PRE_LN_NOTE = " with pre-LN blocks (Hugging Face's RobertaPreLayerNorm)"
 def _num(v: Any, fmt: str = ",") -> str:
     if isinstance(v, bool) or not isinstance(v, int | float):
         return "not recorded"
@@ -276,7 +320,8 @@ def model_card(run: Path, out: Path, step: int, cfg: BertConfig, summary: dict[s
     s = {**settings, **(summary or {})}
     spec = s.get("spec") or s.get("compressor") or "not recorded"
     rows = [
-        ("model", f"BERT, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
+        ("model", f"BERT{_PRE_LN_NOTE if cfg.pre_layer_norm else ''}, {cfg.num_hidden_layers} layers, "
+                  f"hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
                   f"vocabulary {cfg.vocab_size}" + (f" ({s['model']})" if s.get("model") else "")),
         ("compressor", f"`{spec}`" + (f", exchange {s['exchange']}" if s.get("exchange") else "")),
         ("workers, backend", f"{s.get('workers', 'not recorded')}, {s.get('backend', 'not recorded')}"
@@ -296,6 +341,15 @@ def model_card(run: Path, out: Path, step: int, cfg: BertConfig, summary: dict[s
         rows.append((f"tokens up to step {step}", _num(record.get("tokens"))))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     note = "" if summary else "\nThe run has no summary.json (it stopped before its end): no totals.\n"
+    if cfg.pre_layer_norm:
+        usage = ("from transformers import BertTokenizerFast, RobertaPreLayerNormForMaskedLM\n\n"
+                 f'tokenizer = BertTokenizerFast.from_pretrained("{out.name}")\n'
+                 f'model = RobertaPreLayerNormForMaskedLM.from_pretrained("{out.name}")  # the NSP head is not '
+                 "exported")
+    else:
+        usage = ("from transformers import BertForMaskedLM, BertTokenizerFast\n\n"
+                 f'tokenizer = BertTokenizerFast.from_pretrained("{out.name}")\n'
+                 f'model = BertForMaskedLM.from_pretrained("{out.name}")  # or BertForPreTraining for both heads')
     return f"""---
 library_name: transformers
 pipeline_tag: fill-mask
@@ -318,10 +372,7 @@ Bytes are what each rank sent over the (simulated or real) network during traini
 are gradzip's, on its held-out split of the training corpus.
 
 ```python
-from transformers import BertForMaskedLM, BertTokenizerFast
-
-tokenizer = BertTokenizerFast.from_pretrained("{out.name}")
-model = BertForMaskedLM.from_pretrained("{out.name}")  # or BertForPreTraining for both heads
+{usage}
 ```
 """
 

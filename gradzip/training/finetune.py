@@ -159,6 +159,9 @@ def _hf_source(d: Path, dropout: float) -> Source:
         hf = json.loads((d / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise GradzipError(f"{d / 'config.json'} is not readable JSON ({e})") from None
+    if hf.get("model_type") == "roberta-prelayernorm":
+        raise GradzipError(f"{d} is an export of a --pre-ln run (roberta-prelayernorm); fine-tune from the run's "
+                           "directory instead, which gradzip reads as it trained it")
     if hf.get("model_type", "bert") != "bert" or hf.get("position_embedding_type", "absolute") != "absolute":
         raise GradzipError(f"{d} holds a {hf.get('model_type')} model ({hf.get('position_embedding_type')} "
                            "positions); gradzip fine-tunes BERT with absolute position embeddings")

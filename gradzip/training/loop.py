@@ -71,7 +71,7 @@ def _batches(model: Any, data: Any, cfg: TrainConfig, precision: Precision, runt
     for micro in range(cfg.accumulation):
         batch = data.batch("train", step=step * cfg.accumulation + micro, worker=w,
                            num_workers=runtime.num_workers, batch_size=cfg.batch_size, seed=cfg.seed,
-                           mask_prob=cfg.mask_prob)
+                           mask_prob=cfg.mask_prob, whole_word_masking=cfg.whole_word_masking)
         tokens += int(batch["attention_mask"].sum())
         samples += int(batch["input_ids"].shape[0])
         last = micro == cfg.accumulation - 1  # exchange only after the last micro-batch
@@ -90,7 +90,7 @@ def _build_model(cfg: TrainConfig, data: Any, runtime: Any) -> tuple[torch.nn.Mo
     model = BertForPreTraining(bert_config(
         cfg.model, vocab_size=data.vocab_size, max_position_embeddings=max(512, cfg.seq_len),
         hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
-        initializer_range=cfg.init_std)).to(runtime.device)
+        initializer_range=cfg.init_std, pre_layer_norm=cfg.pre_ln)).to(runtime.device)
     return model, prepare_model(cfg, model, runtime.num_workers, runtime.device)
 
 
@@ -147,7 +147,7 @@ def _open_log(cfg: TrainConfig, out: Any, state: checkpoint.RunState, runtime: A
                                                        runtime.device).get("eval_loss")
     sinks = open_sinks(parse_log(cfg.log), out, cfg.to_dict(), state.progress["step"]) if runtime.is_main else []
     batch = data.batch("train", step=0, worker=0, num_workers=runtime.num_workers, batch_size=cfg.batch_size,
-                       seed=cfg.seed, mask_prob=cfg.mask_prob)
+                       seed=cfg.seed, mask_prob=cfg.mask_prob, whole_word_masking=cfg.whole_word_masking)
     runtime.calibrate_clock(state.model, to_device(batch, runtime.device), precision.autocast)
     return MetricsLog(out / "metrics.jsonl", enabled=runtime.is_main, sinks=sinks)
 

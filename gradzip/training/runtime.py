@@ -215,5 +215,8 @@ def build_data(cfg: TrainConfig, runtime: Runtime) -> Any:
     if is_generated(cfg.corpus):  # the calibrated tier: its vocabulary is the language's
         return GeneratedData.build(cfg.corpus, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     vocab = cfg.vocab_size or bert_config(cfg.model).vocab_size  # the model size's default vocabulary
-    return PretrainData.build(corpus=cfg.corpus, seq_len=cfg.seq_len, vocab_size=vocab, seed=cfg.seed,
+    data = PretrainData.build(corpus=cfg.corpus, seq_len=cfg.seq_len, vocab_size=vocab, seed=cfg.seed,
                               progress=cfg.progress and runtime.is_main, tokenizer=cfg.tokenizer)
+    if cfg.whole_word_masking:
+        _ = data.continuation  # a tokenizer without word pieces fails here, before the first step
+    return data
