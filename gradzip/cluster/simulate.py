@@ -65,6 +65,9 @@ Per step and per GPU (every GPU does the same work, so one is enough):
      step_s = that / H; bytes = Σ_f payload_f / H (one sync of all P fragments sends what one
      per-step exchange sends); compress_s, comm_s (link), exposed_comm_s and outer_s are Σ_f / H;
      compute utilisation = H · compute_s / period = compute_s / step_s (the efficiency of 7).
+   - a mode registered with a codec of its own (``sparseloco``: :func:`gradzip.plan.sync.mode_codec`)
+     sends every parameter (``min_compress_numel`` = 0) through that codec in place of the
+     compressor, which must be ``none`` (as ``gradzip train`` refuses one).
 
 Ignored on purpose: stragglers and jitter, contention between compression kernels and
 communication, congestion beyond the per-node NIC, the optimizer step's own scaling (it is part of
