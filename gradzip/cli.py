@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "netem": ("gradzip.netem.cli", "emulated hosts with shaped links (namespaces + tc)"),
     "env": ("gradzip.env", "print versions and available backends (for bug reports)"),
 }
+# Commands that parse --sync when they run: every registered mode's spelling is loaded first
+# (a mode registers it when its module in gradzip.engine is imported; the cost model sits below
+# the engine and cannot import it).
+SYNC_COMMANDS = ("simulate",)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command in SYNC_COMMANDS:
+            from gradzip.engine.modes import load_modes
+
+            load_modes()
         code = importlib.import_module(args._module).run(args)
     except GradzipError as e:
         sys.stderr.write(f"gradzip {args.command}: error: {e}\n")

@@ -114,6 +114,23 @@ def test_bench_sync_rows_and_memory(capsys):
         assert r["extra_x_params"] == pytest.approx(2.0 if r["compressor"] == "none" else 3.0, rel=1e-3)
 
 
+def test_bench_sync_codec_rows(capsys):
+    """--codec: a row per codec after the sync rows, its encode and decode each over one memcpy, and
+    its payload the codec's exact size over the model's parameter shapes."""
+    from gradzip.compress.registry import create
+    from gradzip.models import bert_config, parameter_shapes
+
+    assert main(["bench", "sync", "--model", "bert-tiny", "--compressor", "none", "--codec", "sparseloco",
+                 "--rounds", "1", "--json"]) == 0
+    sync, row = json.loads(capsys.readouterr().out)
+    comp = create("sparseloco")
+    assert sync["compressor"] == "none" and row["codec"] == comp.spec and row["target"] == 10
+    shapes = parameter_shapes(bert_config("bert-tiny")).values()
+    assert row["payload_bytes"] == sum(comp.payload_bytes(s) for s in shapes)
+    assert row["encode_ratio"] == pytest.approx(row["encode_s"] / row["memcpy_s"]) and row["encode_s"] > 0
+    assert row["decode_ratio"] == pytest.approx(row["decode_s"] / row["memcpy_s"]) and row["decode_s"] > 0
+
+
 def test_bench_compress_threads_report_the_speed_up(capsys):
     before = torch.get_num_threads()
     try:

@@ -14,6 +14,16 @@ round by round with a memcpy of the same number of parameter bytes:
   per tensor where the kernels are in use, else cache-blocked ``_foreach`` calls),
   ``step`` the same sync through ``outer.step()`` and a separate merge (``--outer both``: side by side).
 
+With ``--codec SPEC ...``, also each codec alone on the model's pseudo-gradient (one tensor per
+parameter, in its own shape, as DiLoCo hands them over; values N(0, 1e-3²), a pseudo-gradient's
+scale: top-k and the quantiser do not depend on more), timed interleaved with one ``torch.clone``
+of the same number of fp32 elements (allocation included, as a decode allocates its output):
+
+- ``encode_s``: ``compress_batch`` of every parameter's tensor; ``decode_s``: ``decompress_batch``
+  of that payload back to dense tensors; ``memcpy_s``: the clone;
+- ``encode_ratio``, ``decode_ratio`` = each / memcpy_s. Target (issue 47, SparseLoCo's codec):
+  <= 10 each.
+
 Memory: ``extra_bytes`` is what DiLoCo holds beyond the model and the inner optimizer, per rank:
 θ_global, the outer optimizer's state (Nesterov momentum: one more copy) and the compressor's
 state (error memory with ``ef=true``), reported also as multiples of the parameter bytes.
@@ -32,11 +42,13 @@ import torch
 
 from gradzip.comm import init_communicator
 from gradzip.comm.launch import free_port
+from gradzip.compress.registry import create
 from gradzip.engine.diloco import DiLoCo
-from gradzip.models import bert_config
+from gradzip.models import bert_config, parameter_shapes
 from gradzip.models.bert import BertForPreTraining
 
 TARGET = 3.0
+CODEC_TARGET = 10.0  # a codec's encode, and its decode, of the pseudo-gradient vs one memcpy of it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer", choices=("fused", "step", "both"), default="fused",
                         help="the outer step: fused (DiLoCo's one-pass one, the default when the outer "
                              "optimizer is a plain torch SGD), step (outer.step() then the merge), both")
+    parser.add_argument("--codec", nargs="+", default=[], metavar="SPEC",
+                        help="also time these codecs' encode and decode of the model's pseudo-gradient, each "
+                             f"against one memcpy (torch clone) of it, e.g. --codec sparseloco (target <= "
+                             f"{CODEC_TARGET:g}x)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
 
 
@@ -100,6 +116,31 @@ def measure(model_name: str, spec: str, momentum: float, rounds: int, comm: Any,
             "ratio": s / c, "target": TARGET, "extra_bytes": extra, "extra_x_params": extra / (4 * numel)}
 
 
+def measure_codec(model_name: str, spec: str, rounds: int) -> dict[str, Any]:
+    """One ``--codec`` row (module docstring): medians over ``rounds`` after one warm-up round."""
+    comp = create(spec)
+    gen = torch.Generator().manual_seed(0)
+    delta = [torch.randn(s, generator=gen) * 1e-3 for s in parameter_shapes(bert_config(model_name)).values()]
+    flat = torch.cat([d.reshape(-1) for d in delta])
+    enc, dec, copy = [], [], []
+    for r in range(rounds + 1):  # round 0 warms up
+        t0 = time.perf_counter()
+        payload, ctx = comp.compress_batch(delta, "bench")
+        t1 = time.perf_counter()
+        comp.decompress_batch(payload, ctx)
+        t2 = time.perf_counter()
+        flat.clone()
+        t3 = time.perf_counter()
+        if r:
+            enc.append(t1 - t0)
+            dec.append(t2 - t1)
+            copy.append(t3 - t2)
+    e, d, c = statistics.median(enc), statistics.median(dec), statistics.median(copy)
+    return {"model": model_name, "codec": comp.spec, "params": flat.numel(),
+            "payload_bytes": sum(p.numel() * p.element_size() for p in payload), "encode_s": e, "decode_s": d,
+            "memcpy_s": c, "encode_ratio": e / c, "decode_ratio": d / c, "target": CODEC_TARGET}
+
+
 def run(args: argparse.Namespace) -> int:
     # A one-process Gloo group; the variables are put back after, so that a caller's later
     # launches (mpirun, torchrun) do not inherit a world of one.
@@ -120,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
                 for spec in args.compressor for path in paths]
     finally:
         comm.close()
+    codecs = [measure_codec(args.model, spec, args.rounds) for spec in args.codec]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows + codecs, indent=2))
         return 0
     print(f"{rows[0]['model']}: {rows[0]['params']:,} parameters; one sync's local work vs one memcpy of them "
           f"(median of {args.rounds}); target <= {TARGET:g}x")
@@ -129,4 +171,14 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['compressor']:<26}{r['outer']:>6}{r['sync_s'] * 1e3:>9.2f}{r['memcpy_s'] * 1e3:>11.2f}"
               f"{r['ratio']:>7.2f}x{r['extra_bytes'] / 1e6:>10.1f}{r['extra_x_params']:>10.2f}")
+    if codecs:
+        print(f"\nEach codec's encode and decode of the pseudo-gradient vs one memcpy (torch clone) of it "
+              f"(median of {args.rounds}); target <= {CODEC_TARGET:g}x")
+        w = max(len(r["codec"]) for r in codecs) + 1
+        print(f"{'codec':<{w}}{'payload MB':>11}{'encode ms':>11}{'decode ms':>11}{'memcpy ms':>11}"
+              f"{'encode':>8}{'decode':>8}")
+        for r in codecs:
+            print(f"{r['codec']:<{w}}{r['payload_bytes'] / 1e6:>11.2f}{r['encode_s'] * 1e3:>11.1f}"
+                  f"{r['decode_s'] * 1e3:>11.1f}{r['memcpy_s'] * 1e3:>11.2f}{r['encode_ratio']:>7.2f}x"
+                  f"{r['decode_ratio']:>7.2f}x")
     return 0

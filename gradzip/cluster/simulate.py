@@ -6,7 +6,8 @@ Per step and per GPU (every GPU does the same work, so one is enough):
 1. compute_s = batch_size · seq_len · accumulation / tokens_per_second — forward + backward +
    optimizer of the GPU's micro-batches at the single-GPU throughput you measured (a flag).
 2. Gradients: the shapes of every parameter from the model configuration
-   (:func:`gradzip.models.parameter_shapes`), bucketed exactly as the engine does
+   (:func:`gradzip.cluster.models.model_shapes`: BERT's, or a LLaMA-style decoder's), bucketed
+   exactly as the engine does
    (:func:`gradzip.plan.buckets.assign_buckets`: reverse order, ``bucket_cap_mb``, tensors under
    ``min_compress_numel`` elements in plain buckets sent uncompressed).
 3. Payload bytes of each bucket from the compressor's own formula
@@ -64,6 +65,9 @@ Per step and per GPU (every GPU does the same work, so one is enough):
      step_s = that / H; bytes = Σ_f payload_f / H (one sync of all P fragments sends what one
      per-step exchange sends); compress_s, comm_s (link), exposed_comm_s and outer_s are Σ_f / H;
      compute utilisation = H · compute_s / period = compute_s / step_s (the efficiency of 7).
+   - a mode registered with a codec of its own (``sparseloco``: :func:`gradzip.plan.sync.mode_codec`)
+     sends every parameter (``min_compress_numel`` = 0) through that codec in place of the
+     compressor, which must be ``none`` (as ``gradzip train`` refuses one).
 
 Ignored on purpose: stragglers and jitter, contention between compression kernels and
 communication, congestion beyond the per-node NIC, the optimizer step's own scaling (it is part of
@@ -76,7 +80,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -88,6 +92,7 @@ from gradzip.cluster.exchanges import (  # noqa: F401 - re-exported: the per-buc
     sparse_bucket,
     twophase_bucket,
 )
+from gradzip.cluster.models import model_shapes
 from gradzip.cluster.network import (  # noqa: F401 - re-exported: the network model
     ALGORITHMS,
     Cluster,
@@ -100,9 +105,8 @@ from gradzip.cluster.schedule import BucketTiming, model_step
 from gradzip.compress.base import Compressor
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError
-from gradzip.models import bert_config, parameter_shapes
 from gradzip.plan.buckets import MiB, assign_buckets, fragment_cap, split_fragments
-from gradzip.plan.sync import SyncSpec, parse_sync
+from gradzip.plan.sync import SyncSpec, mode_codec, parse_sync
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The outer step's local work in fp32 accesses per parameter (DiLoCo, Nesterov): Δ = θ_g − θ
@@ -189,8 +193,7 @@ class BucketShape:
 def model_buckets(model: str, vocab_size: int | None, cap_mb: float, min_compress_numel: int,
                   separate_small: bool, dtype_name: str = "fp32") -> tuple[tuple[BucketShape, ...], int]:
     """The engine's buckets for the named model (shapes only: meta tensors, nothing allocated)."""
-    cfg = bert_config(model) if vocab_size is None else bert_config(model, vocab_size=vocab_size)
-    shapes = parameter_shapes(cfg)
+    shapes = model_shapes(model, vocab_size)
     dtype = DTYPES[dtype_name]
     params = [(n, torch.nn.Parameter(torch.empty(s, device="meta", dtype=dtype))) for n, s in shapes.items()]
     buckets = assign_buckets(params, int(cap_mb * MiB), min_compress_numel, separate_small=separate_small)
@@ -256,14 +259,37 @@ def ready_times(buckets: tuple[BucketShape, ...], work: Workload) -> tuple[float
     return compute, backward, ready
 
 
+def exchanged_spec(spec: str, sync: str | SyncSpec | None) -> str:
+    """The compressor spec whose payload ``sync`` exchanges: ``spec`` (``--compressor``), or the
+    codec of a mode that sends its own (``sparseloco``: :func:`gradzip.plan.sync.mode_codec`), which
+    refuses any ``--compressor`` but ``none`` (or that codec itself), as ``gradzip train`` does
+    (one-line error)."""
+    sync = parse_sync(sync)
+    own = mode_codec(sync)
+    if own is None:
+        return spec
+    if spec.strip().lower() not in ("none", own):
+        raise GradzipError(f"--sync {sync.mode} sends its own codec ({own}): drop --compressor {spec} and set the "
+                           f"codec's parameters in --sync (e.g. {sync.mode}:k=32)")
+    try:
+        create(own)
+    except GradzipError as e:  # the codec's own message, said of --sync (as gradzip train says it)
+        raise GradzipError(str(e) if str(e).startswith("--sync") else f"--sync {e}") from None
+    return own
+
+
 def predict(spec: str, work: Workload, cl: Cluster, codec: CodecCost | None = None,
             tokens: float | None = None, epochs: float = 1.0, sync: str | SyncSpec | None = None,
             memory_bps: float | None = None) -> Prediction:
     """The cost model of the module docstring for one compressor spec and one ``--sync`` spec
-    (``memory_bps``: GPU memory bandwidth in bits/s for the outer step's local work, or None)."""
+    (``memory_bps``: GPU memory bandwidth in bits/s for the outer step's local work, or None). A mode
+    with a codec of its own (:func:`exchanged_spec`) sends every parameter through it; ``codec`` is
+    then that codec's cost."""
     codec = codec or CodecCost()
-    comp = create(spec)
     sync = parse_sync(sync)
+    if mode_codec(sync) is not None:  # every parameter in the mode's codec (--min-compress-numel does not apply)
+        spec, work = exchanged_spec(spec, sync), replace(work, min_compress_numel=0)
+    comp = create(spec)
     if sync.outer:
         return _predict_outer(comp, sync, work, cl, codec, tokens, epochs, memory_bps)
     buckets, params = model_buckets(work.model, work.vocab_size, work.bucket_cap_mb, work.min_compress_numel,

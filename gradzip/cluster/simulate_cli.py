@@ -14,11 +14,11 @@ from pathlib import Path
 from gradzip.cluster import sharded, simulate
 from gradzip.cluster.auto import plan
 from gradzip.cluster.goodput import Faults, Goodput, json_fields, mtbf_from_rate, predict_goodput
+from gradzip.cluster.models import MODELS
 from gradzip.cluster.network import ALGORITHMS, Cluster, CodecCost
-from gradzip.cluster.simulate import DTYPES, Prediction, Workload, parse_sync, predict
+from gradzip.cluster.simulate import DTYPES, Prediction, Workload, exchanged_spec, parse_sync, predict
 from gradzip.compress.registry import create
 from gradzip.errors import GradzipError
-from gradzip.models import MODEL_SIZES
 from gradzip.plan.auto import AutoSpec, is_auto, parse_auto
 from gradzip.units import parse_bandwidth, parse_duration, parse_latency
 
@@ -143,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     a = parser.add_argument
-    a("--model", default="bert-large", help=f"one of {', '.join(MODEL_SIZES)} (default bert-large)")
+    a("--model", default="bert-large", help=f"one of {', '.join(MODELS)} (default bert-large)")
     a("--vocab-size", type=int, default=None, help="override the model's vocabulary size")
     a("--nodes", type=int, default=8, help="number of nodes (default 8)")
     a("--gpus-per-node", type=int, default=4, help="GPUs (workers) per node (default 4)")
@@ -177,7 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tokens", type=float, default=None, help="tokens per epoch, for the days-to-train column (e.g. 16.75e9)")
     a("--epochs", type=float, default=1.0, help="epochs over --tokens (default 1)")
     a("--sync", action="append", default=None, metavar="SPEC",
-      help="how often workers synchronise: step (default), diloco:every=H[,fragments=P,delay=T,...] or "
+      help="how often workers synchronise: step (default), diloco:every=H[,fragments=P,delay=T,...], "
+           "sparseloco[:every=30,...] (its own codec: no --compressor) or "
            "localsgd:every=H; repeat for a table (every --sync with every --compressor)")
     a("--memory-bandwidth", default=None, metavar="BW",
       help="GPU memory bandwidth (e.g. 320GB/s) for the outer step's local work of diloco/localsgd "
@@ -200,8 +201,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> tuple[Workload, Cluster]:
-    if args.model not in MODEL_SIZES:
-        raise GradzipError(f"unknown model {args.model!r}; choose one of {', '.join(MODEL_SIZES)}")
+    if args.model not in MODELS:
+        raise GradzipError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise GradzipError(f"--vocab-size must be >= 1, got {args.vocab_size}")
     if args.tokens is not None and not args.tokens > 0 or not args.epochs > 0:
@@ -296,8 +297,9 @@ def run(args: argparse.Namespace) -> int:
     if mode is not None:
         return run_sharded(args, mode, work, cl, specs)
     memory = None if args.memory_bandwidth is None else _bandwidth(args.memory_bandwidth, "--memory-bandwidth")
-    codecs = {spec: codec_for(spec, args.encode_cost, args.aggregate_cost) for spec in specs}
-    cells = [(spec, text, sync) for text, sync in syncs for spec in specs]  # every --sync with every --compressor
+    # every --sync with every --compressor; a mode with its own codec (sparseloco) sends that instead
+    cells = [(exchanged_spec(spec, sync), text, sync) for text, sync in syncs for spec in specs]
+    codecs = {spec: codec_for(spec, args.encode_cost, args.aggregate_cost) for spec, _, _ in cells}
     rows = [(spec, text, predict(spec, work, cl, codecs[spec], args.tokens, args.epochs, sync, memory))
             for spec, text, sync in cells]
     goodputs = None if faults is None else [predict_goodput(p, sync, cl, faults)

@@ -11,6 +11,9 @@ A mode is a name, the section of settings it reads, and a builder::
   ``--compressor auto`` and ``--fsdp``/``--hsdp``).
 - ``defaults``: text values of some of ``keys`` for when they are not given (``every`` among them:
   ``--sync NAME`` alone then parses).
+- ``codec``: for a mode that sends every parameter through a codec of its own in place of
+  ``--compressor``, the compressor spec of its parsed ``--sync`` (``gradzip simulate`` prices the
+  mode's exchange with it: :func:`gradzip.plan.sync.mode_codec`).
 - ``build(model, optimizer, target, settings)``: the :class:`~gradzip.engine.synchronizer.Synchronizer`
   over ``target`` (a communicator, or a :class:`~gradzip.comm.sim.SimWorld`), from the typed
   :class:`SyncSettings` every mode takes.
@@ -86,13 +89,13 @@ SYNC_MODES: dict[str, SyncMode] = {}
 
 
 def register_sync(name: str, help: str, build: Builder, keys: tuple[str, ...] | None = None,
-                  defaults: dict[str, str] | None = None) -> SyncMode:
+                  defaults: dict[str, str] | None = None, codec: Callable[[SyncSpec], str] | None = None) -> SyncMode:
     """Register mode ``name`` (module docstring); a second registration of a name is an error."""
     if name in SYNC_MODES:
         raise ValueError(f"sync mode {name!r} is registered twice")
     mode = SyncMode(name, help, build, None if keys is None else tuple(keys), tuple((defaults or {}).items()))
     if mode.keys is not None:
-        register_spelling(name, help, mode.keys, dict(mode.defaults))
+        register_spelling(name, help, mode.keys, dict(mode.defaults), codec)
     SYNC_MODES[name] = mode
     return mode
 

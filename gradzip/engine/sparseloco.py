@@ -62,4 +62,4 @@ register_sync("sparseloco", "SparseLoCo: every H steps, error feedback with deca
               "codes, outer SGD step α (every=30,beta=0.95,alpha=1,chunk=64,k=64,bits=2,range=6,index=pack12)", _build,
               keys=("every", "beta", "alpha", *CODEC_KEYS),
               defaults={"every": "30", "beta": "0.95", "alpha": "1", "chunk": "64", "k": "64", "bits": "2",
-                        "range": "6", "index": "pack12", "aggregate": "selected"})
+                        "range": "6", "index": "pack12", "aggregate": "selected"}, codec=codec_spec)

@@ -19,6 +19,7 @@ own spellings through :func:`register_spelling`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gradzip.compress.registry import parse_spec
@@ -35,20 +36,35 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "localsgd": ("every", "fragments", "delay"), "step": ()}
 _COMMON = frozenset(_KEYS["diloco"])  # parsed into SyncSpec's fields; a new mode's other keys: options
 _DEFAULTS: dict[str, dict[str, str]] = {}  # a registered mode's defaults, as text
+_CODECS: dict[str, Callable[[SyncSpec], str]] = {}  # a mode that sends its own codec: spec -> compressor spec
 
 
-def register_spelling(mode: str, help: str, keys: tuple[str, ...], defaults: dict[str, str] | None = None) -> None:
+def register_spelling(mode: str, help: str, keys: tuple[str, ...], defaults: dict[str, str] | None = None,
+                      codec: Callable[[SyncSpec], str] | None = None) -> None:
     """Accept ``--sync MODE:key=value,...`` with ``keys`` (:func:`gradzip.engine.modes.register_sync`
     calls it). The keys among :class:`SyncSpec`'s fields are parsed into them; any other key is
     kept, as text, in ``SyncSpec.options`` for the mode's builder. ``defaults`` (text, keys among
-    ``keys``) fill the keys not given, ``every`` included (``--sync MODE`` alone then parses). The
-    built-in modes are here already."""
+    ``keys``) fill the keys not given, ``every`` included (``--sync MODE`` alone then parses).
+    ``codec``: for a mode that sends every parameter through a codec of its own in place of
+    ``--compressor`` (``sparseloco``), the compressor spec of a parsed spec (:func:`mode_codec`).
+    The built-in modes are here already."""
     if mode in _KEYS and _KEYS[mode] != tuple(keys):
         raise ValueError(f"--sync {mode} is spelled twice, with different parameters")
     if extra := sorted(set(defaults or {}) - set(keys)):
         raise ValueError(f"--sync {mode}: defaults for keys it does not take: {extra}")
     MODES[mode], _KEYS[mode] = MODES.get(mode, help), tuple(keys)
     _DEFAULTS[mode] = {k: str(v) for k, v in (defaults or {}).items()}
+    if codec is not None:
+        _CODECS[mode] = codec
+
+
+def mode_codec(sync: SyncSpec) -> str | None:
+    """The compressor spec that ``sync``'s mode sends every parameter through in place of
+    ``--compressor`` (registered with its spelling; ``--min-compress-numel`` does not apply to it),
+    or None for the modes that send ``--compressor``'s payload. A :class:`SpecError` (one line)
+    for settings the mode refuses."""
+    codec = _CODECS.get(sync.mode)
+    return None if codec is None else codec(sync)
 
 
 def unregister_spelling(mode: str) -> None:
@@ -57,6 +73,7 @@ def unregister_spelling(mode: str) -> None:
         MODES.pop(mode, None)
         _KEYS.pop(mode, None)
         _DEFAULTS.pop(mode, None)
+        _CODECS.pop(mode, None)
 
 
 def _fmt(v: object) -> str:
