@@ -37,7 +37,7 @@ from gradzip.io import atomic_write_text
 from gradzip.models import bert_config
 from gradzip.optim.registry import OPTIMIZER_NAMES
 from gradzip.plan.auto import is_auto
-from gradzip.plan.sync import SyncSpec, parse_sync
+from gradzip.plan.sync import SyncSpec, mode_codec, parse_sync
 from gradzip.training.config_checks import (
     SWITCHES,
     _pre,
@@ -256,8 +256,7 @@ class TrainConfig:
     def _check_sync(self, source: str) -> None:
         try:
             sync = _parse_sync(self.sync)
-            if sync.mode == "sparseloco":
-                _check_sparseloco(self, sync)
+            _check_own_codec(self, sync)
         except SpecError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None
         if sync.outer and (self.optimizer.startswith("onebit-") or self.optimizer == "demo"):
@@ -474,16 +473,17 @@ def _parse_sync(text: str) -> SyncSpec:
     return parse_sync(text)
 
 
-def _check_sparseloco(cfg: TrainConfig, sync: SyncSpec) -> None:
-    """``--sync sparseloco`` sends its own codec and takes its own outer step: a ``--compressor``
-    (or ``--exchange``) would be silently replaced, so it is refused, as is a bad codec option."""
-    from gradzip.engine.sparseloco import codec_spec
-
-    if cfg.compressor != "none" or cfg.exchange is not None:
-        given = f"--compressor {cfg.compressor}" if cfg.compressor != "none" else f"--exchange {cfg.exchange}"
-        raise SpecError(f"--sync sparseloco sends its own codec (top-k per chunk, 2-bit codes, error feedback): "
-                        f"drop {given} and set chunk, k, bits, range or beta in --sync, e.g. sparseloco:k=32")
+def _check_own_codec(cfg: TrainConfig, sync: SyncSpec) -> None:
+    """A mode that sends its own codec (``--sync sparseloco``: :func:`gradzip.plan.sync.mode_codec`)
+    would silently replace ``--compressor`` (or ``--exchange``): refused, as is a bad codec option."""
     try:
-        create(codec_spec(sync))
+        codec = mode_codec(sync)
+        if codec is None:
+            return
+        if cfg.compressor != "none" or cfg.exchange is not None:
+            given = f"--compressor {cfg.compressor}" if cfg.compressor != "none" else f"--exchange {cfg.exchange}"
+            raise SpecError(f"--sync {sync.mode} sends its own codec ({codec}): drop {given} and set the codec's "
+                            f"options in --sync (gradzip ls lists them)")
+        create(codec)
     except SpecError as e:  # the codec's own message, said of --sync
         raise SpecError(str(e) if str(e).startswith("--sync") else f"--sync {e}") from None
