@@ -44,6 +44,7 @@ not apply: do not wrap the model in DDP or attach the per-step engine as well.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,19 @@ from gradzip.engine.synchronizer import OptimizerStep
 from gradzip.errors import GradzipError, SpecError
 from gradzip.plan.buckets import Bucket, MiB, fragment_cap, split_fragments
 from gradzip.plan.sync import parse_sync
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One fragment's exchange at its end: the averaged Δ per bucket, its decode seconds, link
+    seconds, link seconds not hidden behind inner steps, and [bytes sent, received, sent inside the
+    node] (means over the workers here)."""
+
+    results: list[list[Tensor]]
+    compress_s: float
+    link_s: float
+    exposed_s: float
+    sent: list[int]
 
 
 @dataclass
@@ -93,9 +107,10 @@ class DiLoCo(DiLoCoState):
                  compressor: str = "none", fragments: int = 1, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, *, bucket_cap_mb: float = 25.0, min_compress_numel: int = 1024,
                  hierarchical: bool = False, intra_dtype: str = "native", agree: dict[str, Any] | None = None,
-                 hook: bool = True) -> None:
+                 outer_overlap: int = 0, hook: bool = True) -> None:
         try:
-            self.sync = parse_sync(f"localsgd:every={sync_every},fragments={fragments},delay={fragment_sync_delay}")
+            self.sync = parse_sync(f"localsgd:every={sync_every},fragments={fragments},delay={fragment_sync_delay}"
+                                   + (f",overlap={outer_overlap}" if outer_overlap else ""))
         except SpecError as e:
             raise GradzipError(str(e).replace("--sync localsgd: ", "DiLoCo: ")) from None
         if not 0.0 <= fragment_update_alpha <= 1.0:
@@ -144,6 +159,7 @@ class DiLoCo(DiLoCoState):
         self._results: dict[int, dict[str, Any]] = {}  # fragment -> averaged Δ per bucket and bytes (finished early)
         self._snaps: dict[int, list[dict[str, Any]]] = {}  # fragment -> communicator stats when it was sent
         self._compute_since: dict[int, float] = {}  # fragment -> compute seconds since it was sent
+        self._link_idle = math.inf  # sim, overlap=1: seconds (compute and waits) since the link fell idle
         self._hook = inner_optimizer.register_step_post_hook(self._on_step) if hook else None
         self.last_schedule: list[Any] = []  # the Synchronizer protocol: no per-step schedule here
         self._t_step: float | None = None  # when this step's first worker started (its compute time)
@@ -205,12 +221,24 @@ class DiLoCo(DiLoCoState):
         st = SyncStats()
         for f in self._compute_since:
             self._compute_since[f] += compute_s
-        for f in self.sync.sends_at(self.step):
-            self._send(f, st)
-        for f in range(len(self.fragments)):
-            if f in self._inflight or f in self._results:
-                if (r - self.sync.send_step(f)) % self.sync.every == self.sync.delay:
-                    self._apply(f, st)
+        self._link_idle += compute_s
+        sends = self.sync.sends_at(self.step)
+        if self.sync.overlap:  # the last round's exchange ends, this round's starts, then the last outer step
+            due = {f: self._collect(f) for f in sends if f in self._inflight or f in self._results}
+            for f in sends:
+                self._send(f, st)
+            for f in sends:
+                if f in due:
+                    self._apply(f, st, due[f])
+                else:  # the first round: no outer step yet, yet every round starts from θ_global
+                    self._merge(self.fragments[f])
+        else:
+            for f in sends:
+                self._send(f, st)
+            for f in range(len(self.fragments)):
+                if f in self._inflight or f in self._results:
+                    if (r - self.sync.send_step(f)) % self.sync.every == self.sync.delay:
+                        self._apply(f, st, self._collect(f))
         if self.sim:
             _load(self.buckets, self.replicas[0])  # the model shows worker 0 (evaluation, checkpoints)
         return st
@@ -326,21 +354,38 @@ class DiLoCo(DiLoCoState):
         return [per_worker[0][j].result() for j in range(len(self.fragments[f]))], enc / len(self.comms), link, sent
 
     @torch.no_grad()
-    def _apply(self, f: int, st: SyncStats) -> None:
-        """Outer step on fragment f with the averaged pseudo-gradient, then merge into every worker."""
+    def _collect(self, f: int) -> Finished:
+        """Fragment f's exchange driven to its end (or its result kept by a checkpoint), with the
+        link seconds it waited for (sim: modelled; real: the measured wait)."""
         if f in self._inflight:
             results, enc, link, sent = self._finish(f)
         else:
             done = self._results.pop(f)
-            results, enc, link, sent = done["results"], 0.0, 0.0, done["bytes"]
-        st.bytes_sent += sent[0]
-        st.bytes_recv += sent[1]
-        st.intra_bytes_sent += sent[2]
+            results, enc, link, sent = done["results"], 0.0, float(done.get("link", 0.0)), done["bytes"]
         hidden = self._compute_since.pop(f, 0.0) if self.sim else 0.0
+        if not self.sim:
+            exposed = link
+        elif not self.sync.overlap:
+            exposed = max(0.0, link - hidden)
+        else:  # one link, first in first out: f's bytes start when it was sent or when the link fell idle
+            start = min(hidden, self._link_idle)  # seconds ago
+            exposed = max(0.0, link - start)
+            self._link_idle = max(0.0, start - link)  # f arrived this long ago (0: the compute thread waited)
+            for g in self._compute_since:  # the exchanges in flight travel on while the compute thread waits
+                self._compute_since[g] += exposed
+        return Finished(results, enc, link, exposed, sent)
+
+    @torch.no_grad()
+    def _apply(self, f: int, st: SyncStats, done: Finished) -> None:
+        """Outer step on fragment f with the averaged pseudo-gradient, then merge into every worker."""
+        results = done.results
+        st.bytes_sent += done.sent[0]
+        st.bytes_recv += done.sent[1]
+        st.intra_bytes_sent += done.sent[2]
         st.applied += 1
-        st.compress_s += enc
-        st.link_s += link
-        st.exposed_s += max(0.0, link - hidden)
+        st.compress_s += done.compress_s
+        st.link_s += done.link_s
+        st.exposed_s += done.exposed_s
         t0 = self._now()
         ids = self.fragments[f]
         parts_of = [unflatten(res[0], self.buckets[bi].shapes)
@@ -379,7 +424,11 @@ class DiLoCo(DiLoCoState):
                 p.data = data
             for p, g in zip(self.params, saved):
                 p.grad = g
-        # θ_local ← α·θ_local + (1 − α)·θ_global
+        self._merge(ids)
+
+    @torch.no_grad()
+    def _merge(self, ids: list[int]) -> None:
+        """θ_local ← α·θ_local + (1 − α)·θ_global on buckets ``ids`` of every worker here."""
         targets = [[rep[bi] for bi in ids] for rep in self.replicas] if self.sim else \
             [[p for bi in ids for p in self.buckets[bi].params]]
         sources = [self.global_[bi] for bi in ids] if self.sim else \

@@ -8,6 +8,7 @@ no state of its own.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ class DiLoCoState:
     _inflight: dict[int, list[list[Any]]]
     _results: dict[int, dict[str, Any]]
     _compute_since: dict[int, float]
+    _link_idle: float
     _finish: Any  # DiLoCo's: drive one fragment's exchanges to the end
 
     def state_dict(self) -> dict[str, Any]:
@@ -46,8 +48,8 @@ class DiLoCoState:
         flight (finished now, their averages kept), and the local parameters and inner optimizer
         state (sim: every worker's). Tensors and numbers only (``weights_only=True`` loads it)."""
         for f in list(self._inflight):
-            res, _, _, sent = self._finish(f)
-            self._results[f] = {"results": res, "bytes": sent}
+            res, _, link, sent = self._finish(f)
+            self._results[f] = {"results": res, "bytes": sent, **({"link": link} if self.sync.overlap else {})}
         sd: dict[str, Any] = {
             "spec": self.spec, "sync": str(self.sync), "worker_ids": self.worker_ids, "step": self.step,
             "global": [g.clone() for g in self.global_], "outer": self.outer.state_dict(),
@@ -56,6 +58,8 @@ class DiLoCoState:
             "pending": {str(f): v for f, v in self._results.items()},
             "compute_since": {str(f): v for f, v in self._compute_since.items()},
         }
+        if self.sync.overlap:  # sim's model of the one link (overlap=1 only: older states stay as they were)
+            sd["link_idle"] = self._link_idle
         if self.sim:
             sd["replicas"] = [[t.clone() for t in rep] for rep in self.replicas]
             sd["inner"] = [{"state": st, "param_groups": self.inner.state_dict()["param_groups"]}
@@ -82,7 +86,10 @@ class DiLoCoState:
         for sc, s in zip(self.schemes, sd["schemes"]):
             sc.load_state_dict(s)
         self._inflight.clear()
-        self._results = {int(f): {"results": v["results"], "bytes": list(v["bytes"])} for f, v in sd["pending"].items()}
+        self._results = {int(f): {"results": v["results"], "bytes": list(v["bytes"]),
+                                  **({"link": float(v["link"])} if "link" in v else {})}
+                         for f, v in sd["pending"].items()}
+        self._link_idle = float(sd.get("link_idle", math.inf))
         self._compute_since = {int(f): float(v) for f, v in sd["compute_since"].items()}
         if self.sim:
             for rep, s in zip(self.replicas, sd["replicas"]):
