@@ -20,6 +20,17 @@ handles on gloo/mpi; on ``sim`` the link time is hidden behind the compute of th
 bytes of one sync fall by P. LocalSGD is DiLoCo with an outer SGD of lr 1 and no momentum: the new
 θ_global is the average of the workers' parameters.
 
+Overlapped outer updates (``outer_overlap=1``, ``--sync ...,overlap=1``): the delayed outer update
+of Kale, Douillard & Donchev 2025 (arXiv 2502.12996, "1-outer-step overlap") and DiLoCoX (arXiv
+2506.21263, "one-step-delay overlap"), Streaming DiLoCo's τ stretched to a whole round. At the end
+of round k (each fragment at its own send step): Δ_k = θ_global − θ_local is computed and its
+exchange starts; the exchange of Δ_{k−1}, sent a round earlier, is finished; θ_global ←
+OuterOpt(θ_global, Δ_{k−1}) (nothing at round 1); every worker starts round k + 1 from θ_global
+(merged with α). Each exchange thus travels during H inner steps; the last one is never applied.
+On ``sim`` the link is one first-in first-out pipe, so a round takes max(H·compute, link) instead of
+the sum (plus the codec and outer-step work). Checkpoints finish the exchange in flight (below).
+Module :mod:`gradzip.engine.diloco_state` holds the checkpoints and sim's per-worker swaps.
+
 Use (one process per rank; the user's loop is unchanged, a step post-hook does the rest)::
 
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
