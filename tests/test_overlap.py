@@ -6,6 +6,9 @@ instead of the sum; resume with an exchange in flight; the spellings and their o
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -131,6 +134,9 @@ def test_sim_fragments_share_one_link_with_overlap():
     assert per_period > 4 * compute
     period = 4 * compute + sum(s.exposed_s for s in over[12:16])  # a period in steady state
     assert period == pytest.approx(per_period, rel=1e-12)
+    plain = _clock(0, compute, fragments=2, rounds=6)  # each fragment's own bytes, though two are in flight
+    assert [s.bytes_sent for s in over if s.applied] == [s.bytes_sent for s in plain if s.applied][:-2]
+    assert all(s.bytes_sent > 0 for s in over if s.applied)
 
 
 def test_simulate_predicts_max_with_overlap_and_sum_without():
@@ -167,3 +173,28 @@ def test_resume_with_an_exchange_in_flight_is_bit_identical(tmp_path, corpus, sy
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
     assert [tuple(r.get(k) for k in keys) for r in b] == [tuple(r.get(k) for k in keys) for r in a]
     assert [r["syncs"] for r in a if r.get("syncs")] == [1, 1]  # steps 8 and 12 apply; 4's send had none
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_gloo_equals_sim_with_overlap_and_a_resume_in_flight(tmp_path, corpus):
+    """gloo's asynchronous handles carry each fragment's exchange across a round (and across a
+    stop at step 6 and a resume) to the same losses, bytes and syncs as sim."""
+    args = ["--model", "bert-tiny", "--seq-len", "32", "--batch-size", "4", "--workers", "2", "--eval-batches",
+            "2", "--eval-every", "4", "--lr", "2e-3", "--warmup", "2", "--no-progress", "--dropout", "0",
+            "--corpus", str(corpus), "--steps", "12", "--sync", "diloco:every=4,fragments=2,overlap=1",
+            "--compressor", "topk:ratio=0.05,ef=true", "--bucket-cap-mb", "0.5"]
+    assert main(["train", *args, "--out", str(tmp_path / "sim")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        env.pop(k, None)
+    for extra in (["--stop-at", "6", *args], ["--resume"]):
+        p = subprocess.run([sys.executable, "-m", "gradzip", "train", "--backend", "gloo", *extra,
+                            "--out", str(tmp_path / "gloo")], env=env, capture_output=True, text=True, timeout=280)
+        assert p.returncode == 0, p.stderr[-3000:]
+    real, simulated = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("gloo", "sim"))
+    assert [r["step"] for r in real] == list(range(1, 13)) and real[0]["clock"] == "measured"
+    for a, b in zip(real, simulated, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert (a["bytes_sent"], a["syncs"], a["tokens"]) == (b["bytes_sent"], b["syncs"], b["tokens"])
+    assert sum(r["syncs"] for r in real) == 4  # fragments 0 and 1 of rounds 1 and 2; round 3's in flight

@@ -55,10 +55,11 @@ not apply: do not wrap the model in DDP or attach the per-step engine as well.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -78,6 +79,8 @@ from gradzip.engine.synchronizer import OptimizerStep
 from gradzip.errors import GradzipError, SpecError
 from gradzip.plan.buckets import Bucket, MiB, fragment_cap, split_fragments
 from gradzip.plan.sync import parse_sync
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class DiLoCo(DiLoCoState):
         self._inflight: dict[int, list[list[Any]]] = {}  # fragment -> per worker, per bucket: exchange
         self._results: dict[int, dict[str, Any]] = {}  # fragment -> averaged Δ per bucket and bytes (finished early)
         self._snaps: dict[int, list[dict[str, Any]]] = {}  # fragment -> communicator stats when it was sent
+        self._counted: dict[int, list[list[int]]] = {}  # overlap=1: fragment -> bytes its own calls recorded
         self._compute_since: dict[int, float] = {}  # fragment -> compute seconds since it was sent
         self._link_idle = math.inf  # sim, overlap=1: seconds (compute and waits) since the link fell idle
         self._hook = inner_optimizer.register_step_post_hook(self._on_step) if hook else None
@@ -325,14 +329,29 @@ class DiLoCo(DiLoCoState):
                 delta = self._delta(i, bi)
                 c = comp if b.compressed else self._plain
                 tensors = unflatten(delta, b.shapes) if b.compressed and self._per_tensor else [delta]
-                ex = scheme.exchange(c, tensors, b.key)
-                ex.start()
+                ex = self._count(f, functools.partial(scheme.exchange, c, tensors, b.key))
+                self._count(f, ex.start)
                 exs.append(ex)
             per_worker.append(exs)
         self._inflight[f] = per_worker
         self._compute_since[f] = 0.0
         st.sent += 1
         st.compress_s += (self._now() - t0) / len(self.comms)
+
+    def _count(self, f: int, call: Callable[[], T]) -> T:
+        """``call()``; with overlap=1, the bytes every communicator here records during it are
+        fragment f's (sim records a collective when its last rank issues it, gloo and mpi when it
+        completes: either way inside one of f's own calls)."""
+        if not self.sync.overlap:
+            return call()
+        snaps = [c.stats.snapshot() for c in self.comms]
+        out = call()
+        acc = self._counted.setdefault(f, [[0, 0, 0] for _ in self.comms])
+        for a, c, snap in zip(acc, self.comms, snaps):
+            d = c.stats.since(snap)
+            for k, key in enumerate(("bytes_sent", "bytes_recv", "intra_bytes_sent")):
+                a[k] += int(d[key])
+        return out
 
     def _finish(self, f: int) -> tuple[list[list[Tensor]], float, float, list[int]]:
         """Drive fragment f's exchanges to the end: (averaged Δ per bucket, compress s, link s,
@@ -347,7 +366,7 @@ class DiLoCo(DiLoCoState):
                 done = True
                 for exs in per_worker:
                     c0 = exs[j].compress_s
-                    done = exs[j].advance() and done
+                    done = self._count(f, exs[j].advance) and done
                     enc += exs[j].compress_s - c0
                 if not done:
                     still.append(j)
@@ -359,8 +378,10 @@ class DiLoCo(DiLoCoState):
             link = max(sum(sum(ex.link_s) for ex in exs) for exs in per_worker)
         else:
             link = max(0.0, wall - enc)
-        deltas = [c.stats.since(snap) for c, snap in zip(self.comms, self._snaps.pop(f))]
         keys = ("bytes_sent", "bytes_recv", "intra_bytes_sent")
+        deltas = [c.stats.since(snap) for c, snap in zip(self.comms, self._snaps.pop(f))]
+        if self.sync.overlap:  # several fragments in flight at once: what f's own calls recorded
+            deltas = [dict(zip(keys, acc)) for acc in self._counted.pop(f)]
         sent = [round(sum(d[k] for d in deltas) / len(deltas)) for k in keys]
         return [per_worker[0][j].result() for j in range(len(self.fragments[f]))], enc / len(self.comms), link, sent
 
