@@ -61,6 +61,11 @@ Per step and per GPU (every GPU does the same work, so one is enough):
      behind them: exposed_f = codec_s + max(0, link_s − τ · compute_s) + outer local work
      (codec and local work stay on the compute thread; τ = 0: fully exposed). τ < H/P, so a
      fragment has arrived before the next one is sent: the link never queues two fragments;
+   - ``overlap=1``: each fragment's exchange travels during the next H inner steps (its outer step is
+     applied one round late), the P fragments one after another on the link: a period's exposed
+     link time is max(0, Σ_f link_f − H · compute_s), so with codec and local work left out a round
+     takes max(H · compute_s, Σ_f link_f) instead of their sum (the ``sim`` backend's clock
+     charges the same, a first-in first-out link);
    - a period of H steps takes H · compute_s + Σ_f exposed_f. Per step (means over the period):
      step_s = that / H; bytes = Σ_f payload_f / H (one sync of all P fragments sends what one
      per-step exchange sends); compress_s, comm_s (link), exposed_comm_s and outer_s are Σ_f / H;
@@ -335,13 +340,15 @@ def _predict_outer(comp: Compressor, sync: SyncSpec, work: Workload, cl: Cluster
         m = model_step(0.0, ex.timings)  # for its sums: encode/decode work, link time
         payloads.append(ex.payload)
         codec_s, link_s = codec_s + m.compress_s, link_s + m.link_s
-        exposed_link += max(0.0, m.link_s - sync.delay * compute)  # hidden behind τ inner steps
+        exposed_link += max(0.0, m.link_s - sync.delay * compute)  # hidden behind τ inner steps (overlap: below)
         if memory_bps:
             outer_s += OUTER_ACCESSES * 4 * sum(b.numel for b in fb) * 8 / memory_bps
         total.sent, total.inter, total.calls = total.sent + ex.sent, total.inter + ex.inter, total.calls + ex.calls
         total.compressed_numel += ex.compressed_numel
         for k, v in ex.detail.items():
             total.detail[k] += v
+    if sync.overlap:  # every exchange travels during the next H inner steps, on the one link
+        exposed_link = max(0.0, link_s - h * compute)
     exposed = codec_s + exposed_link + outer_s
     period = h * compute + exposed
     step = period / h

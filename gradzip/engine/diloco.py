@@ -20,6 +20,17 @@ handles on gloo/mpi; on ``sim`` the link time is hidden behind the compute of th
 bytes of one sync fall by P. LocalSGD is DiLoCo with an outer SGD of lr 1 and no momentum: the new
 θ_global is the average of the workers' parameters.
 
+Overlapped outer updates (``outer_overlap=1``, ``--sync ...,overlap=1``): the delayed outer update
+of Kale, Douillard & Donchev 2025 (arXiv 2502.12996, "1-outer-step overlap") and DiLoCoX (arXiv
+2506.21263, "one-step-delay overlap"), Streaming DiLoCo's τ stretched to a whole round. At the end
+of round k (each fragment at its own send step): Δ_k = θ_global − θ_local is computed and its
+exchange starts; the exchange of Δ_{k−1}, sent a round earlier, is finished; θ_global ←
+OuterOpt(θ_global, Δ_{k−1}) (nothing at round 1); every worker starts round k + 1 from θ_global
+(merged with α). Each exchange thus travels during H inner steps; the last one is never applied.
+On ``sim`` the link is one first-in first-out pipe, so a round takes max(H·compute, link) instead of
+the sum (plus the codec and outer-step work). Checkpoints finish the exchange in flight (below).
+Module :mod:`gradzip.engine.diloco_state` holds the checkpoints and sim's per-worker swaps.
+
 Use (one process per rank; the user's loop is unchanged, a step post-hook does the rest)::
 
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
@@ -44,9 +55,11 @@ not apply: do not wrap the model in DDP or attach the per-step engine as well.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -54,10 +67,11 @@ from torch import Tensor
 from gradzip.comm.base import Communicator
 from gradzip.comm.cost import allreduce_bytes
 from gradzip.comm.sim import SimWorld
-from gradzip.compress.base import flatten, unflatten
+from gradzip.compress.base import unflatten
 from gradzip.compress.bitpack import empty
 from gradzip.compress.none import NoCompression
 from gradzip.compress.registry import create
+from gradzip.engine.diloco_state import DiLoCoState, _flat, _load, _store
 from gradzip.engine.outer_step import fusable, fused_sgd_step
 from gradzip.engine.startup import fingerprint_options, hosted, start_up
 from gradzip.engine.stats import StepStats
@@ -65,6 +79,21 @@ from gradzip.engine.synchronizer import OptimizerStep
 from gradzip.errors import GradzipError, SpecError
 from gradzip.plan.buckets import Bucket, MiB, fragment_cap, split_fragments
 from gradzip.plan.sync import parse_sync
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One fragment's exchange at its end: the averaged Δ per bucket, its decode seconds, link
+    seconds, link seconds not hidden behind inner steps, and [bytes sent, received, sent inside the
+    node] (means over the workers here)."""
+
+    results: list[list[Tensor]]
+    compress_s: float
+    link_s: float
+    exposed_s: float
+    sent: list[int]
 
 
 @dataclass
@@ -83,7 +112,7 @@ class SyncStats:
     applied: int = 0  # fragments applied at this step
 
 
-class DiLoCo:
+class DiLoCo(DiLoCoState):
     """See the module docstring. ``comm``: a Communicator (one rank per process) or a SimWorld.
     ``hook=False`` leaves the call of :meth:`after_inner_step` to the caller (``gradzip train``)."""
 
@@ -92,9 +121,10 @@ class DiLoCo:
                  compressor: str = "none", fragments: int = 1, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, *, bucket_cap_mb: float = 25.0, min_compress_numel: int = 1024,
                  hierarchical: bool = False, intra_dtype: str = "native", agree: dict[str, Any] | None = None,
-                 hook: bool = True) -> None:
+                 outer_overlap: int = 0, hook: bool = True) -> None:
         try:
-            self.sync = parse_sync(f"localsgd:every={sync_every},fragments={fragments},delay={fragment_sync_delay}")
+            self.sync = parse_sync(f"localsgd:every={sync_every},fragments={fragments},delay={fragment_sync_delay}"
+                                   + (f",overlap={outer_overlap}" if outer_overlap else ""))
         except SpecError as e:
             raise GradzipError(str(e).replace("--sync localsgd: ", "DiLoCo: ")) from None
         if not 0.0 <= fragment_update_alpha <= 1.0:
@@ -142,7 +172,9 @@ class DiLoCo:
         self._inflight: dict[int, list[list[Any]]] = {}  # fragment -> per worker, per bucket: exchange
         self._results: dict[int, dict[str, Any]] = {}  # fragment -> averaged Δ per bucket and bytes (finished early)
         self._snaps: dict[int, list[dict[str, Any]]] = {}  # fragment -> communicator stats when it was sent
+        self._counted: dict[int, list[list[int]]] = {}  # overlap=1: fragment -> bytes its own calls recorded
         self._compute_since: dict[int, float] = {}  # fragment -> compute seconds since it was sent
+        self._link_idle = math.inf  # sim, overlap=1: seconds (compute and waits) since the link fell idle
         self._hook = inner_optimizer.register_step_post_hook(self._on_step) if hook else None
         self.last_schedule: list[Any] = []  # the Synchronizer protocol: no per-step schedule here
         self._t_step: float | None = None  # when this step's first worker started (its compute time)
@@ -204,12 +236,24 @@ class DiLoCo:
         st = SyncStats()
         for f in self._compute_since:
             self._compute_since[f] += compute_s
-        for f in self.sync.sends_at(self.step):
-            self._send(f, st)
-        for f in range(len(self.fragments)):
-            if f in self._inflight or f in self._results:
-                if (r - self.sync.send_step(f)) % self.sync.every == self.sync.delay:
-                    self._apply(f, st)
+        self._link_idle += compute_s
+        sends = self.sync.sends_at(self.step)
+        if self.sync.overlap:  # the last round's exchange ends, this round's starts, then the last outer step
+            due = {f: self._collect(f) for f in sends if f in self._inflight or f in self._results}
+            for f in sends:
+                self._send(f, st)
+            for f in sends:
+                if f in due:
+                    self._apply(f, st, due[f])
+                else:  # the first round: no outer step yet, yet every round starts from θ_global
+                    self._merge(self.fragments[f])
+        else:
+            for f in sends:
+                self._send(f, st)
+            for f in range(len(self.fragments)):
+                if f in self._inflight or f in self._results:
+                    if (r - self.sync.send_step(f)) % self.sync.every == self.sync.delay:
+                        self._apply(f, st, self._collect(f))
         if self.sim:
             _load(self.buckets, self.replicas[0])  # the model shows worker 0 (evaluation, checkpoints)
         return st
@@ -247,61 +291,6 @@ class DiLoCo:
         norms, self._norms, self._bad = self._norms, [], 0
         return sum(norms) / len(norms) if norms else float("nan")
 
-    def state_dict(self) -> dict[str, Any]:
-        """Per rank: θ_global, the outer optimizer, every compressor and scheme state, exchanges in
-        flight (finished now, their averages kept), and the local parameters and inner optimizer
-        state (sim: every worker's). Tensors and numbers only (``weights_only=True`` loads it)."""
-        for f in list(self._inflight):
-            res, _, _, sent = self._finish(f)
-            self._results[f] = {"results": res, "bytes": sent}
-        sd: dict[str, Any] = {
-            "spec": self.spec, "sync": str(self.sync), "worker_ids": self.worker_ids, "step": self.step,
-            "global": [g.clone() for g in self.global_], "outer": self.outer.state_dict(),
-            "compressors": [c.state_dict() for c in self.compressors],
-            "schemes": [s.state_dict() for s in self.schemes],
-            "pending": {str(f): v for f, v in self._results.items()},
-            "compute_since": {str(f): v for f, v in self._compute_since.items()},
-        }
-        if self.sim:
-            sd["replicas"] = [[t.clone() for t in rep] for rep in self.replicas]
-            sd["inner"] = [{"state": st, "param_groups": self.inner.state_dict()["param_groups"]}
-                           for st in self.inner_states]
-        else:
-            sd["replicas"] = [[_flat(b).clone() for b in self.buckets]]
-            sd["inner"] = [self.inner.state_dict()]
-        return sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd.get("spec") != self.spec or sd.get("sync") != str(self.sync):
-            raise GradzipError(f"DiLoCo state is for {sd.get('spec')!r} with sync {sd.get('sync')!r}, not "
-                               f"{self.spec!r} with {self.sync}; resume with the same settings")
-        if list(sd.get("worker_ids", [])) != self.worker_ids:
-            raise GradzipError(f"DiLoCo state is for workers {sd.get('worker_ids')}, this process hosts "
-                               f"{self.worker_ids}; resume with the same backend and number of workers")
-        self.step = int(sd["step"])
-        with torch.no_grad():
-            for g, s in zip(self.global_, sd["global"]):
-                g.copy_(s)
-        self.outer.load_state_dict(sd["outer"])
-        for c, s in zip(self.compressors, sd["compressors"]):
-            c.load_state_dict(s)
-        for sc, s in zip(self.schemes, sd["schemes"]):
-            sc.load_state_dict(s)
-        self._inflight.clear()
-        self._results = {int(f): {"results": v["results"], "bytes": list(v["bytes"])} for f, v in sd["pending"].items()}
-        self._compute_since = {int(f): float(v) for f, v in sd["compute_since"].items()}
-        if self.sim:
-            for rep, s in zip(self.replicas, sd["replicas"]):
-                for t, v in zip(rep, s):
-                    t.copy_(v)
-            for i, s in enumerate(sd["inner"]):
-                self.inner.load_state_dict(s)  # torch's casts to the parameters' devices apply here
-                self._swap_out(i)
-            _load(self.buckets, self.replicas[0])
-        else:
-            _load(self.buckets, sd["replicas"][0])
-            self.inner.load_state_dict(sd["inner"][0])
-
     def detach(self) -> None:
         """Remove the inner optimizer's post-hook: the model trains as if DiLoCo had never been attached."""
         if self._hook is not None:
@@ -314,30 +303,6 @@ class DiLoCo:
             self.after_inner_step()
         elif self._current is not None:
             self._stepped.add(self._current)
-
-    def _swap_in(self, i: int) -> None:
-        """Sim: make worker i's inner optimizer state the optimizer's, through its own
-        ``load_state_dict`` (its hooks run; fused and foreach steps see a state they
-        built themselves). The param groups stay the ones it holds: the LR schedule's lr and every
-        other group setting are the same for all workers, as the one optimizer steps them all."""
-        mine = self.inner_states[i]
-        self.inner.load_state_dict({"state": mine, "param_groups": self.inner.state_dict()["param_groups"]})
-        if not mine:
-            return
-        # torch casts loaded state to its parameter's dtype: a swap must give back what it took.
-        now = self.inner.state_dict()["state"]
-        for k, entry in mine.items():
-            for name, v in entry.items() if isinstance(entry, dict) else ():
-                w = now.get(k, {}).get(name) if isinstance(now.get(k), dict) else None
-                if isinstance(v, Tensor) and isinstance(w, Tensor) and w.dtype != v.dtype:
-                    raise GradzipError(
-                        f"DiLoCo on sim: {type(self.inner).__name__}.load_state_dict turns worker {i}'s state "
-                        f"{name!r} from {v.dtype} into {w.dtype}, so the workers' inner states cannot be swapped "
-                        "through it; use an optimizer whose state keeps its parameters' dtype, or a real backend")
-
-    def _swap_out(self, i: int) -> None:
-        """Sim: keep the optimizer's state (its ``state_dict()``'s, the live tensors) as worker i's."""
-        self.inner_states[i] = self.inner.state_dict()["state"]
 
     def _delta(self, i: int, bi: int) -> Tensor:
         """Worker i's pseudo-gradient θ_global − θ_local of bucket bi (a new flat tensor, one pass)."""
@@ -364,14 +329,29 @@ class DiLoCo:
                 delta = self._delta(i, bi)
                 c = comp if b.compressed else self._plain
                 tensors = unflatten(delta, b.shapes) if b.compressed and self._per_tensor else [delta]
-                ex = scheme.exchange(c, tensors, b.key)
-                ex.start()
+                ex = self._count(f, functools.partial(scheme.exchange, c, tensors, b.key))
+                self._count(f, ex.start)
                 exs.append(ex)
             per_worker.append(exs)
         self._inflight[f] = per_worker
         self._compute_since[f] = 0.0
         st.sent += 1
         st.compress_s += (self._now() - t0) / len(self.comms)
+
+    def _count(self, f: int, call: Callable[[], T]) -> T:
+        """``call()``; with overlap=1, the bytes every communicator here records during it are
+        fragment f's (sim records a collective when its last rank issues it, gloo and mpi when it
+        completes: either way inside one of f's own calls)."""
+        if not self.sync.overlap:
+            return call()
+        snaps = [c.stats.snapshot() for c in self.comms]
+        out = call()
+        acc = self._counted.setdefault(f, [[0, 0, 0] for _ in self.comms])
+        for a, c, snap in zip(acc, self.comms, snaps):
+            d = c.stats.since(snap)
+            for k, key in enumerate(("bytes_sent", "bytes_recv", "intra_bytes_sent")):
+                a[k] += int(d[key])
+        return out
 
     def _finish(self, f: int) -> tuple[list[list[Tensor]], float, float, list[int]]:
         """Drive fragment f's exchanges to the end: (averaged Δ per bucket, compress s, link s,
@@ -386,7 +366,7 @@ class DiLoCo:
                 done = True
                 for exs in per_worker:
                     c0 = exs[j].compress_s
-                    done = exs[j].advance() and done
+                    done = self._count(f, exs[j].advance) and done
                     enc += exs[j].compress_s - c0
                 if not done:
                     still.append(j)
@@ -398,27 +378,46 @@ class DiLoCo:
             link = max(sum(sum(ex.link_s) for ex in exs) for exs in per_worker)
         else:
             link = max(0.0, wall - enc)
-        deltas = [c.stats.since(snap) for c, snap in zip(self.comms, self._snaps.pop(f))]
         keys = ("bytes_sent", "bytes_recv", "intra_bytes_sent")
+        deltas = [c.stats.since(snap) for c, snap in zip(self.comms, self._snaps.pop(f))]
+        if self.sync.overlap:  # several fragments in flight at once: what f's own calls recorded
+            deltas = [dict(zip(keys, acc)) for acc in self._counted.pop(f)]
         sent = [round(sum(d[k] for d in deltas) / len(deltas)) for k in keys]
         return [per_worker[0][j].result() for j in range(len(self.fragments[f]))], enc / len(self.comms), link, sent
 
     @torch.no_grad()
-    def _apply(self, f: int, st: SyncStats) -> None:
-        """Outer step on fragment f with the averaged pseudo-gradient, then merge into every worker."""
+    def _collect(self, f: int) -> Finished:
+        """Fragment f's exchange driven to its end (or its result kept by a checkpoint), with the
+        link seconds it waited for (sim: modelled; real: the measured wait)."""
         if f in self._inflight:
             results, enc, link, sent = self._finish(f)
         else:
             done = self._results.pop(f)
-            results, enc, link, sent = done["results"], 0.0, 0.0, done["bytes"]
-        st.bytes_sent += sent[0]
-        st.bytes_recv += sent[1]
-        st.intra_bytes_sent += sent[2]
+            results, enc, link, sent = done["results"], 0.0, float(done.get("link", 0.0)), done["bytes"]
         hidden = self._compute_since.pop(f, 0.0) if self.sim else 0.0
+        if not self.sim:
+            exposed = link
+        elif not self.sync.overlap:
+            exposed = max(0.0, link - hidden)
+        else:  # one link, first in first out: f's bytes start when it was sent or when the link fell idle
+            start = min(hidden, self._link_idle)  # seconds ago
+            exposed = max(0.0, link - start)
+            self._link_idle = max(0.0, start - link)  # f arrived this long ago (0: the compute thread waited)
+            for g in self._compute_since:  # the exchanges in flight travel on while the compute thread waits
+                self._compute_since[g] += exposed
+        return Finished(results, enc, link, exposed, sent)
+
+    @torch.no_grad()
+    def _apply(self, f: int, st: SyncStats, done: Finished) -> None:
+        """Outer step on fragment f with the averaged pseudo-gradient, then merge into every worker."""
+        results = done.results
+        st.bytes_sent += done.sent[0]
+        st.bytes_recv += done.sent[1]
+        st.intra_bytes_sent += done.sent[2]
         st.applied += 1
-        st.compress_s += enc
-        st.link_s += link
-        st.exposed_s += max(0.0, link - hidden)
+        st.compress_s += done.compress_s
+        st.link_s += done.link_s
+        st.exposed_s += done.exposed_s
         t0 = self._now()
         ids = self.fragments[f]
         parts_of = [unflatten(res[0], self.buckets[bi].shapes)
@@ -457,7 +456,11 @@ class DiLoCo:
                 p.data = data
             for p, g in zip(self.params, saved):
                 p.grad = g
-        # θ_local ← α·θ_local + (1 − α)·θ_global
+        self._merge(ids)
+
+    @torch.no_grad()
+    def _merge(self, ids: list[int]) -> None:
+        """θ_local ← α·θ_local + (1 − α)·θ_global on buckets ``ids`` of every worker here."""
         targets = [[rep[bi] for bi in ids] for rep in self.replicas] if self.sim else \
             [[p for bi in ids for p in self.buckets[bi].params]]
         sources = [self.global_[bi] for bi in ids] if self.sim else \
@@ -478,22 +481,4 @@ class LocalSGD(DiLoCo):
                  sync_every: int, compressor: str = "none", **kwargs: Any) -> None:
         outer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         super().__init__(model, optimizer, outer, comm, sync_every, compressor, **kwargs)
-
-
-def _flat(b: Bucket) -> Tensor:
-    return flatten([p.detach() for p in b.params]).clone() if len(b.params) > 1 else b.params[0].detach().reshape(-1)
-
-
-@torch.no_grad()
-def _load(buckets: list[Bucket], flats: list[Tensor]) -> None:
-    for b, v in zip(buckets, flats):
-        for p, src in zip(b.params, unflatten(v, b.shapes)):
-            p.copy_(src)
-
-
-@torch.no_grad()
-def _store(buckets: list[Bucket], flats: list[Tensor]) -> None:
-    for b, v in zip(buckets, flats):
-        for p, dst in zip(b.params, unflatten(v, b.shapes)):
-            dst.copy_(p.reshape(dst.shape))
 

@@ -150,7 +150,7 @@ def _build_outer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, targe
     params = [p for p in model.parameters() if p.requires_grad]
     outer = torch.optim.SGD(params, lr=sync.outer_lr, momentum=sync.momentum, nesterov=sync.nesterov, foreach=True)
     return DiLoCo(model, optimizer, outer, target, sync.every, s.spec, sync.fragments,
-                  sync.delay, sync.alpha, **_engine_kwargs(s), hook=False)
+                  sync.delay, sync.alpha, **_engine_kwargs(s), outer_overlap=sync.overlap, hook=False)
 
 
 def _build_auto(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any,
@@ -182,9 +182,9 @@ def _build_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tar
 register_sync("step", "exchange gradients every step (default)", _build_step, keys=())
 register_sync("diloco", "H inner steps, then an outer Nesterov step on the averaged pseudo-gradient "
               "(every=H,outer_lr=0.7,momentum=0.9,fragments=1,delay=0,alpha=0)", _build_outer,
-              keys=("every", "outer_lr", "momentum", "fragments", "delay", "alpha", "nesterov"))
+              keys=("every", "outer_lr", "momentum", "fragments", "delay", "alpha", "nesterov", "overlap"))
 register_sync("localsgd", "average the parameters every H steps (every=H)", _build_outer,
-              keys=("every", "fragments", "delay"))
+              keys=("every", "fragments", "delay", "overlap"))
 register_sync("auto", "--compressor auto: a candidate per bucket, planned from the measured link", _build_auto)
 register_sync("fsdp", "--fsdp: FSDP2's reduce-scatter compressed", _build_sharded)
 register_sync("hsdp", "--hsdp: HSDP's replica all-reduce compressed", _build_sharded)

@@ -55,11 +55,12 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any
     params = [p for p in model.parameters() if p.requires_grad]
     outer = torch.optim.SGD(params, lr=s.sync.alpha, momentum=0.0)  # θ ← θ − α·aggregate
     engine = {**_engine_kwargs(s), "min_compress_numel": 0}  # every parameter in the codec, as published
-    return DiLoCo(model, optimizer, outer, target, s.sync.every, codec_spec(s.sync), **engine, hook=False)
+    return DiLoCo(model, optimizer, outer, target, s.sync.every, codec_spec(s.sync), **engine,
+                  outer_overlap=s.sync.overlap, hook=False)
 
 
 register_sync("sparseloco", "SparseLoCo: every H steps, error feedback with decay β, top-k per chunk with 2-bit "
               "codes, outer SGD step α (every=30,beta=0.95,alpha=1,chunk=64,k=64,bits=2,range=6,index=pack12)", _build,
-              keys=("every", "beta", "alpha", *CODEC_KEYS),
+              keys=("every", "beta", "alpha", "overlap", *CODEC_KEYS),
               defaults={"every": "30", "beta": "0.95", "alpha": "1", "chunk": "64", "k": "64", "bits": "2",
                         "range": "6", "index": "pack12", "aggregate": "selected"}, codec=codec_spec)

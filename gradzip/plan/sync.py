@@ -9,6 +9,9 @@ Three modes (spellings are a contract; ``gradzip ls`` lists them):
   Nesterov-SGD step. ``fragments=P`` syncs the model in P pieces at evenly spaced steps, each
   sent ``delay`` = τ steps before it is applied (τ < H/P); ``alpha`` mixes the local parameters
   into the merged ones (0: take the global ones).
+  ``overlap=1`` (DiLoCo, Streaming DiLoCo, LocalSGD and SparseLoCo alike; the delayed outer update
+  of Kale, Douillard et al. 2025 and DiLoCoX 2025): each sync's exchange travels during the next H
+  inner steps and its outer step is applied one round late (:mod:`gradzip.engine.diloco`).
 - ``localsgd:every=H``: parameter averaging every H steps, which is DiLoCo with an outer SGD of
   lr 1 and no momentum.
 
@@ -32,8 +35,8 @@ MODES = {
     "localsgd": "average the parameters every H steps (every=H)",
 }
 _KEYS: dict[str, tuple[str, ...]] = {
-    "diloco": ("every", "outer_lr", "momentum", "fragments", "delay", "alpha", "nesterov"),
-    "localsgd": ("every", "fragments", "delay"), "step": ()}
+    "diloco": ("every", "outer_lr", "momentum", "fragments", "delay", "alpha", "nesterov", "overlap"),
+    "localsgd": ("every", "fragments", "delay", "overlap"), "step": ()}
 _COMMON = frozenset(_KEYS["diloco"])  # parsed into SyncSpec's fields; a new mode's other keys: options
 _DEFAULTS: dict[str, dict[str, str]] = {}  # a registered mode's defaults, as text
 _CODECS: dict[str, Callable[[SyncSpec], str]] = {}  # a mode that sends its own codec: spec -> compressor spec
@@ -92,6 +95,7 @@ class SyncSpec:
     fragments: int = 1  # P
     delay: int = 0  # τ: inner steps between sending a fragment and applying it
     alpha: float = 0.0  # Streaming DiLoCo's mixing of the local parameters at the merge
+    overlap: int = 0  # 1: each exchange travels during the next round, its outer step applied one round late
     options: tuple[tuple[str, str], ...] = ()  # a registered mode's own keys, as given
 
     @property
@@ -117,19 +121,20 @@ class SyncSpec:
         if self.mode == "step":
             return "step"
         if self.mode not in ("diloco", "localsgd"):  # a registered mode: every=H, its keys among the fields, its own
-            mine = [k for k in _KEYS.get(self.mode, ()) if k in _COMMON and k != "every"]
+            mine = [k for k in _KEYS.get(self.mode, ()) if k in _COMMON and k != "every"
+                    and (k != "overlap" or self.overlap)]  # overlap=0 is left out: the spelling of old runs
             fields = [f"{k}={_fmt(getattr(self, k))}" for k in mine]
             return ",".join([f"{self.mode}:every={self.every}", *fields, *(f"{k}={v}" for k, v in self.options)])
         if self.mode == "localsgd":
             extra = f",fragments={self.fragments},delay={self.delay}" if self.fragments > 1 or self.delay else ""
-            return f"localsgd:every={self.every}{extra}"
+            return f"localsgd:every={self.every}{extra}" + (f",overlap={self.overlap}" if self.overlap else "")
         s = f"diloco:every={self.every},outer_lr={self.outer_lr:g},momentum={self.momentum:g}"
         s += f",fragments={self.fragments},delay={self.delay}"
         if self.alpha:
             s += f",alpha={self.alpha:g}"
         if not self.nesterov and self.momentum:
             s += ",nesterov=false"
-        return s
+        return s + (f",overlap={self.overlap}" if self.overlap else "")
 
 
 def parse_sync(text: str | SyncSpec | None) -> SyncSpec:
@@ -144,6 +149,9 @@ def parse_sync(text: str | SyncSpec | None) -> SyncSpec:
     if mode not in MODES:
         raise SpecError(f"unknown --sync mode {mode!r} in {raw!r}; choose one of: {', '.join(MODES)} "
                         "(e.g. diloco:every=16)")
+    if "overlap" in params and "overlap" not in _KEYS[mode]:
+        raise SpecError(f"--sync {mode} has no outer step to overlap (in {raw!r}); overlap=1 takes an outer mode, "
+                        "e.g. diloco:every=16,overlap=1")
     for k in params:
         if k not in _KEYS[mode]:
             allowed = ", ".join(_KEYS[mode]) or "none"
@@ -165,6 +173,7 @@ def parse_sync(text: str | SyncSpec | None) -> SyncSpec:
     if "every" not in params:
         raise SpecError(f"--sync {mode} needs every=H, the inner steps between syncs (e.g. {mode}:every=16)")
     every, fragments, delay = int(num("every", int, 1)), int(num("fragments", int, 1)), int(num("delay", int, 0))
+    overlap = int(num("overlap", int, 0))
     diloco = mode == "diloco"
     outer_lr = num("outer_lr", float, 0.7 if diloco else 1.0)
     momentum = num("momentum", float, 0.9 if diloco else 0.0)
@@ -181,6 +190,11 @@ def parse_sync(text: str | SyncSpec | None) -> SyncSpec:
     if delay < 0 or delay >= every // fragments:
         raise SpecError(f"--sync {mode}: delay={delay} must be in [0, H/P) = [0, {every // fragments}): a fragment "
                         "must be applied before it is sent again")
+    if overlap not in (0, 1):
+        raise SpecError(f"--sync {mode}: overlap={overlap} must be 0 or 1 (rounds an exchange overlaps)")
+    if overlap and delay:
+        raise SpecError(f"--sync {mode}: overlap=1 already delays each outer step by a whole round; "
+                        f"give delay=0 with it (not delay={delay})")
     if not (math.isfinite(outer_lr) and outer_lr > 0):
         raise SpecError(f"--sync {mode}: outer_lr={outer_lr} must be a positive number")
     if not (math.isfinite(momentum) and 0 <= momentum < 1):
@@ -189,4 +203,4 @@ def parse_sync(text: str | SyncSpec | None) -> SyncSpec:
         raise SpecError(f"--sync {mode}: alpha={alpha} must be in [0, 1]")
     options = tuple(sorted((k, v) for k, v in params.items() if k not in _COMMON))
     return SyncSpec(mode=mode, every=every, outer_lr=outer_lr, momentum=momentum, nesterov=nesterov and momentum > 0,
-                    fragments=fragments, delay=delay, alpha=alpha, options=options)
+                    fragments=fragments, delay=delay, alpha=alpha, overlap=overlap, options=options)
