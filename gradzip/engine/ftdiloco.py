@@ -25,8 +25,10 @@ sha256 digest of θ_global and the outer state, equal on every replica. **No fre
 quorum whose highest step is 0 holds only newborn groups; it commits only when it holds all
 ``groups`` (the run's founding sync), never when a restarted group finds itself alone.
 
-Each sync appends one line to ``ft.jsonl`` in the run's directory: the quorum's members, the
-participants (weight > 0), the heals, the bytes per participant, whether it committed, the digest.
+Each sync appends one line to ``ft.jsonl`` in the run's directory (join syncs included): the
+quorum's members, the participants (weight > 0), the heals, the bytes per participant, whether it
+committed, the digest; under ``gradzip train`` the step's line of ``metrics.jsonl`` carries the
+same record as ``ft``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from gradzip.engine.modes import SyncSettings, register_sync
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import OptimizerStep, Synchronizer
 from gradzip.errors import GradzipError
+from gradzip.plan.sync import SyncSpec
 
 KEY = "ft"  # the compressor's state key: one bucket, the whole model
 
@@ -86,10 +89,11 @@ class FTDiLoCo:
         self.weight = 0.0  # tokens (or inner steps) since the last committed sync
         self._tokens_given = False
         self._joined = False
+        self._join_rec: dict[str, Any] | None = None  # the join sync's record, for the step's metrics
         self._healed = False  # set by a heal, read by the sync that caused it
         self._bad = 0
         self._norms: list[float] = []
-        self._last: StepStats | None = None
+        self._t_step: float | None = None  # when this step's forward began
         self.last_schedule: list[Any] = []
         self.last_digest = ""
         server = None
@@ -121,7 +125,8 @@ class FTDiLoCo:
         """Before the first inner step: the join sync, repeated until one commits (a first start
         commits with the founding quorum, a restart after it heals from a live peer)."""
         while not self._joined:
-            self._joined = bool(self.sync(join=True)["committed"])
+            self._join_rec = self.sync(join=True)
+            self._joined = bool(self._join_rec["committed"])
 
     def close(self) -> None:
         """Leave the quorum: the Manager (and a Lighthouse started here) shut down."""
@@ -149,6 +154,7 @@ class FTDiLoCo:
     def worker(self, wid: int) -> Iterator[None]:
         """The group's step; the join sync runs before its first one. Zeroes ``.grad``."""
         self.ensure_joined()
+        self._t_step = time.perf_counter()
         for p in self.params:
             p.grad = None
         yield
@@ -166,14 +172,18 @@ class FTDiLoCo:
             self._bad += 1
 
     def synchronize(self) -> StepStats:
-        """Count the inner step; every ``every``-th, the sync. Bytes: this group's payload."""
+        """Count the inner step; every ``every``-th, the sync. Bytes: this group's payload (its
+        join sync's on its first step)."""
         t0 = time.perf_counter()
-        rec = self.inner_step_done()
+        compute = t0 - (self._t_step or t0)
+        rec = self.inner_step_done() or self._join_rec
+        self._join_rec = None
         sent = int((rec or {}).get("bytes", {}).get(f"gradzip_group_{self.group}", 0))
         dt = time.perf_counter() - t0
-        return StepStats(compute_s=0.0, compress_s=0.0, comm_s=dt, bytes_sent=sent, bytes_recv=0, step_s=dt,
+        return StepStats(compute_s=compute, compress_s=0.0, comm_s=dt, bytes_sent=sent, bytes_recv=0,
+                         step_s=compute + dt,
                          clock="measured", link_s=dt, nonfinite=self._bad,
-                         syncs=int(bool(rec and rec["committed"])))
+                         syncs=int(bool(rec and rec["committed"])), ft=rec)
 
     def commit(self, nonfinite: int, stepper: OptimizerStep) -> float:
         norms, self._norms, self._bad = self._norms, [], 0
@@ -316,23 +326,40 @@ class FTDiLoCo:
                 f.write(json.dumps(rec) + "\n")
 
 
-def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any,
-           s: SyncSettings) -> Synchronizer:
-    """One replica group per ``gradzip train`` process (``--workers 1``)."""
-    world = getattr(target, "world_size", None)
-    if world != 1:
-        raise GradzipError("--sync ftdiloco runs one rank per replica group: start each group as its own "
-                           "gradzip train --backend gloo --workers 1 run, with group=I")
-    opts = dict(s.sync.options)
+def options(sync: SyncSpec, probe: bool = True) -> dict[str, Any]:
+    """``--sync ftdiloco``'s own keys, typed and checked: groups, group, min_replicas,
+    lighthouse, lighthouse_port. A :class:`GradzipError` (one line) for a value out of range, the
+    ``ft`` extra missing, or (``probe``) a Lighthouse address where nothing answers."""
+    opts = dict(sync.options)
     try:
         groups, group, floor, port = (int(opts[k]) for k in ("groups", "group", "min_replicas", "lighthouse_port"))
     except ValueError:
-        raise GradzipError(f"--sync ftdiloco: groups, group, min_replicas and lighthouse_port are integers, "
-                           f"got {opts}") from None
+        raise GradzipError("--sync ftdiloco: groups, group, min_replicas and lighthouse_port are integers, got "
+                           + ",".join(f"{k}={opts[k]}" for k in ("groups", "group", "min_replicas",
+                                                                   "lighthouse_port"))) from None
+    if groups < 1 or not 0 <= group < groups:
+        raise GradzipError(f"--sync ftdiloco: group={group} must be in [0, groups={groups})")
+    if not 1 <= floor <= groups:
+        raise GradzipError(f"--sync ftdiloco: min_replicas={floor} must be in [1, groups={groups}]; "
+                           "a quorum cannot hold more replica groups than the run has")
+    _ft.torchft()
+    if probe and opts["lighthouse"] != "local":
+        _ft.check_lighthouse(opts["lighthouse"])
+    return {"groups": groups, "group": group, "min_replicas": floor, "lighthouse": opts["lighthouse"],
+            "lighthouse_port": port}
+
+
+def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any,
+           s: SyncSettings) -> Synchronizer:
+    """One replica group per ``gradzip train`` process (``--backend gloo --workers 1``)."""
+    if getattr(target, "world_size", None) != 1:
+        raise GradzipError("--sync ftdiloco runs one rank per replica group: start each group as its own "
+                           "gradzip train --backend gloo --workers 1 run, with group=I")
+    o = options(s.sync, probe=False)  # the Manager's own connection reports an address that stopped answering
     params = [p for p in model.parameters() if p.requires_grad]
     outer = torch.optim.SGD(params, lr=s.sync.outer_lr, momentum=s.sync.momentum, nesterov=s.sync.nesterov)
-    return FTDiLoCo(model, optimizer, outer, s.sync.every, s.spec, groups=groups, group=group,
-                    lighthouse=opts["lighthouse"], min_replicas=floor, lighthouse_port=port,
+    return FTDiLoCo(model, optimizer, outer, s.sync.every, s.spec, groups=o["groups"], group=o["group"],
+                    lighthouse=o["lighthouse"], min_replicas=o["min_replicas"], lighthouse_port=o["lighthouse_port"],
                     timeout=s.timeout or 30.0, log=Path(s.log_dir) / "ft.jsonl" if s.log_dir else None)
 
 

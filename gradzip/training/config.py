@@ -42,6 +42,7 @@ from gradzip.training.config_checks import (
     SWITCHES,
     _pre,
     check_auto,
+    check_ft,
     check_generated,
     check_netem,
     check_sharding,
@@ -256,6 +257,8 @@ class TrainConfig:
             sync = _parse_sync(self.sync)
             if sync.mode == "sparseloco":
                 _check_sparseloco(self, sync)
+            if sync.mode == "ftdiloco":
+                check_ft(self, source)
         except SpecError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None
         if sync.outer and (self.optimizer.startswith("onebit-") or self.optimizer == "demo"):
