@@ -1,9 +1,10 @@
 """A replica group for tests/test_ft.py: a small regression model trained with FTDiLoCo.
 
-``run_group(cfg, queue)`` trains ``cfg["steps"]`` inner steps (or until ``cfg["stop_file"]``
-exists), then puts ``(group, digest, torchft step, inner step)`` on ``queue``. Keys: lighthouse,
+``run_group(cfg, queue)`` trains ``cfg["steps"]`` inner steps, then puts ``(group, digest, torchft
+step, inner step)`` on ``queue``. Keys: lighthouse,
 group, groups, min_replicas, every, spec, steps, log, guard, save/load (a checkpoint path),
-pause_at/resume_file (before inner step ``pause_at``, wait for the file to exist)."""
+pause_at/resume_file (after ``pause_at`` inner steps, wait for the file to exist), ready_file
+(written once the group's Manager is up)."""
 
 from __future__ import annotations
 
@@ -40,11 +41,11 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
     ft = FTDiLoCo(model, inner, outer, cfg.get("every", 2), cfg.get("spec", "none"), groups=cfg["groups"],
                   group=cfg["group"], lighthouse=cfg["lighthouse"], min_replicas=cfg.get("min_replicas", 1),
                   timeout=cfg.get("timeout", 10.0), log=cfg.get("log"), guard=cfg.get("guard", True))
+    if cfg.get("ready_file"):  # the Manager is up and heartbeating
+        open(cfg["ready_file"], "w").close()
     if cfg.get("load"):
         ft.load_state_dict(torch.load(cfg["load"], weights_only=True))
     while ft.step < cfg.get("steps", 10**9):
-        if cfg.get("stop_file") and os.path.exists(cfg["stop_file"]) and ft.step % ft.every == 0 and ft.step:
-            break
         if cfg.get("pause_at") is not None and ft.step == cfg["pause_at"]:
             _wait(cfg["resume_file"])
         ft.ensure_joined()

@@ -1,0 +1,210 @@
+"""Fault-tolerant DiLoCo on torchft (``--sync ftdiloco``, docs/fault-tolerance.md): replica groups
+as processes on gloo with an in-process Lighthouse; a kill, a rejoin that heals bit-exactly, the
+single-member quorum of a fresh replica, a resume from checkpoints, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from gradzip.cli import main  # noqa: E402
+from gradzip.engine import _ft  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ft_worker import run_group  # noqa: E402
+
+SPEC = "topk:ratio=0.25,ef=true"
+G0, G1 = "gradzip_group_0", "gradzip_group_1"
+
+
+@pytest.fixture
+def lighthouse():
+    server = _ft.start_lighthouse(1, heartbeat_timeout_ms=1000)
+    yield server.address()
+    server.shutdown()
+
+
+class Groups:
+    """Replica-group processes of one test, with their queue; every process is ended on exit."""
+
+    def __init__(self, tmp: Path, lighthouse: str) -> None:
+        self.tmp, self.lighthouse = tmp, lighthouse
+        self.ctx = mp.get_context("spawn")
+        self.queue = self.ctx.Queue()
+        self.procs: list[Any] = []
+
+    def start(self, name: str, **cfg: Any) -> Any:
+        cfg = {"lighthouse": self.lighthouse, "groups": 2, "every": 2, "spec": SPEC,
+               "log": str(self.tmp / f"{name}.jsonl"), **cfg}
+        p = self.ctx.Process(target=run_group, args=(cfg, self.queue), daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def results(self, n: int) -> dict[int, tuple]:
+        out = {}
+        for _ in range(n):
+            group, digest, syncs, step = self.queue.get(timeout=90)
+            out[group] = (digest, syncs, step)
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(10)
+
+
+@pytest.fixture
+def groups(tmp_path, lighthouse):
+    g = Groups(tmp_path, lighthouse)
+    yield g
+    g.close()
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(cond: Any, what: str, limit: float = 90.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > limit:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_kill_then_rejoin_heals_bit_exactly(groups, tmp_path):
+    """Group 1 is killed mid-run: group 0 goes on alone (partial participation, its bytes only).
+    A fresh group 1 rejoins: it copies θ_global, the outer state and the step from group 0
+    (torchft's checkpoint transport), its digest equals group 0's, and both finish together."""
+    resume = tmp_path / "resume"
+    groups.start("a", group=0, steps=16, pause_at=7, resume_file=str(resume))
+    b = groups.start("b", group=1, steps=16, pause_at=4, resume_file=str(tmp_path / "never"))
+    wait_for(lambda: any(r["step"] == 4 and r["committed"] for r in records(tmp_path / "b.jsonl")), "b's sync")
+    b.kill()
+    wait_for(lambda: any(r["members"] == [G0] and r["committed"] for r in records(tmp_path / "a.jsonl")),
+             "a's sync without b")
+    groups.start("b2", group=1, steps=16, ready_file=str(tmp_path / "ready"))
+    wait_for((tmp_path / "ready").exists, "b2's manager")
+    resume.touch()
+    res = groups.results(2)
+    assert res[0] == res[1] and res[0][2] == 16  # same digest, torchft step and inner step
+    a, b2 = records(tmp_path / "a.jsonl"), records(tmp_path / "b2.jsonl")
+    alone = [r for r in a if r["members"] == [G0] and r["committed"]]
+    assert alone and all(r["participants"] == [G0] and list(r["bytes"]) == [G0] for r in alone)
+    assert all(r["weights"][G0] == 16.0 for r in alone)  # 2 inner steps of 8 tokens
+    heal = next(r for r in b2 if r["healed"])
+    assert heal["committed"] and heal["heals"] == [G1] and heal["participants"] == [G0]
+    assert heal["weights"] == {G0: 16.0, G1: 0.0}
+    same = next(r for r in a if r["quorum_id"] == heal["quorum_id"] and r["committed"])
+    assert same["digest"] == heal["digest"] and same["heals"] == [G1]
+    assert not any(r["healed"] for r in a if not r["join"])  # the live group never healed
+    assert all(r["bytes"] == {G0: 136, G1: 136} for r in b2 if r["committed"])  # 17 values + 17 indices
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("guard", [True, False])
+def test_fresh_replica_alone_never_becomes_the_state(groups, tmp_path, guard):
+    """The single-member quorum: group 1 is killed and restarts fresh while group 0 is stopped
+    (no heartbeat), so the restarted group forms quorums alone. Without the guard it commits its
+    freshly initialised parameters, runs ahead, and group 0, when it resumes, heals *from it*:
+    the cluster's history is lost. With the guard it never commits alone and heals from group 0."""
+    resume = tmp_path / "resume"
+    a = groups.start("a", group=0, steps=24, every=1, pause_at=4, resume_file=str(resume))
+    b = groups.start("b", group=1, steps=24, every=1, pause_at=4, resume_file=str(tmp_path / "never"))
+    for name in ("a", "b"):
+        wait_for(lambda n=name: any(r["step"] == 4 and r["committed"] for r in records(tmp_path / f"{n}.jsonl")),
+                 f"{name}'s 4th sync")
+    os.kill(a.pid, signal.SIGSTOP)  # no heartbeat: the Lighthouse drops it
+    b.kill()
+    groups.start("b2", group=1, steps=24, every=1, guard=guard, pause_at=12, resume_file=str(resume))
+    if guard:
+        wait_for(lambda: sum(r.get("refused") == "fresh" for r in records(tmp_path / "b2.jsonl")) >= 3,
+                 "b2's refused quorums")
+    else:
+        wait_for(lambda: any(r["step"] == 12 for r in records(tmp_path / "b2.jsonl")), "b2's 12 syncs alone")
+    alone = [r for r in records(tmp_path / "b2.jsonl") if r["members"] == [G1]]
+    assert alone and all(r["committed"] != guard for r in alone)
+    os.kill(a.pid, signal.SIGCONT)
+    resume.touch()
+    res = groups.results(2)
+    assert res[0] == res[1]
+    a_heals = [r for r in records(tmp_path / "a.jsonl") if r["healed"] and not r["join"]]
+    if guard:  # the cluster's state survives: the fresh group healed from group 0
+        assert not a_heals and any(r["healed"] for r in records(tmp_path / "b2.jsonl"))
+    else:  # reproduced: the fresh state won
+        assert a_heals
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_resume_from_checkpoints_is_bit_identical(groups, tmp_path):
+    """Both groups stop after 4 inner steps (a sync) and save; resumed from their checkpoints they
+    rejoin at the same torchft step (no heal) and end bit-identical to an uninterrupted run."""
+    for g in (0, 1):
+        groups.start(f"full{g}", group=g, steps=8)
+    full = groups.results(2)
+    for g in (0, 1):
+        groups.start(f"part{g}", group=g, steps=4, save=str(tmp_path / f"ckpt{g}.pt"))
+    groups.results(2)
+    for g in (0, 1):
+        groups.start(f"resumed{g}", group=g, steps=8, load=str(tmp_path / f"ckpt{g}.pt"))
+    resumed = groups.results(2)
+    assert resumed[0][0] == resumed[1][0] == full[0][0] == full[1][0]
+    assert resumed[0][1] == full[0][1] + 1  # the resumed run's join sync
+    for g in (0, 1):
+        rejoin = records(tmp_path / f"resumed{g}.jsonl")[0]
+        assert rejoin["join"] and rejoin["committed"] and not rejoin["heals"] and rejoin["sync"] == 4
+
+
+# ---------------------------------------------------------------------- bad input
+def train(tmp_path: Path, sync: str) -> int:
+    return main(["train", "--model", "bert-tiny", "--backend", "gloo", "--workers", "1", "--no-progress",
+                 "--sync", sync, "--out", str(tmp_path / "run")])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    with socket_closed() as port:
+        assert train(tmp_path, f"ftdiloco:every=2,groups=2,lighthouse=http://127.0.0.1:{port}") == 2
+    assert train(tmp_path, "ftdiloco:every=2,groups=2,min_replicas=3") == 2
+    monkeypatch.setitem(sys.modules, "torchft", None)  # the ft extra missing
+    assert train(tmp_path, "ftdiloco:every=2,groups=2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "Traceback" not in "".join(err)
+    assert "no torchft Lighthouse answers at http://127.0.0.1:" in err[0]
+    assert "min_replicas=3 must be in [1, groups=2]" in err[1]
+    assert err[2].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
+
+
+class socket_closed:
+    """A local port where nothing listens (bound, then closed)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return port
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
