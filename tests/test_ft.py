@@ -114,7 +114,8 @@ def test_kill_then_rejoin_heals_bit_exactly(groups, tmp_path):
     same = next(r for r in a if r["quorum_id"] == heal["quorum_id"] and r["committed"])
     assert same["digest"] == heal["digest"] and same["heals"] == [G1]
     assert not any(r["healed"] for r in a if not r["join"])  # the live group never healed
-    assert all(r["bytes"] == {G0: 136, G1: 136} for r in b2 if r["committed"])  # 17 values + 17 indices
+    assert heal["bytes"] == {G0: 136, G1: 0}  # 17 values + 17 indices; a weight of 0 sends nothing
+    assert all(r["bytes"] == {G0: 136, G1: 136} for r in b2 if r["committed"] and not r["healed"])
 
 
 @pytest.mark.distributed
@@ -156,20 +157,21 @@ def test_fresh_replica_alone_never_becomes_the_state(groups, tmp_path, guard):
 @pytest.mark.timeout(120)
 def test_resume_from_checkpoints_is_bit_identical(groups, tmp_path):
     """Both groups stop after 4 inner steps (a sync) and save; resumed from their checkpoints they
-    rejoin at the same torchft step (no heal) and end bit-identical to an uninterrupted run."""
+    rejoin at the same torchft step (no heal: min_replicas=2 keeps the first one back from
+    committing alone) and end bit-identical to an uninterrupted run."""
     for g in (0, 1):
-        groups.start(f"full{g}", group=g, steps=8)
+        groups.start(f"full{g}", group=g, steps=8, min_replicas=2)
     full = groups.results(2)
     for g in (0, 1):
-        groups.start(f"part{g}", group=g, steps=4, save=str(tmp_path / f"ckpt{g}.pt"))
+        groups.start(f"part{g}", group=g, steps=4, min_replicas=2, save=str(tmp_path / f"ckpt{g}.pt"))
     groups.results(2)
     for g in (0, 1):
-        groups.start(f"resumed{g}", group=g, steps=8, load=str(tmp_path / f"ckpt{g}.pt"))
+        groups.start(f"resumed{g}", group=g, steps=8, min_replicas=2, load=str(tmp_path / f"ckpt{g}.pt"))
     resumed = groups.results(2)
     assert resumed[0][0] == resumed[1][0] == full[0][0] == full[1][0]
     assert resumed[0][1] == full[0][1] + 1  # the resumed run's join sync
     for g in (0, 1):
-        rejoin = records(tmp_path / f"resumed{g}.jsonl")[0]
+        rejoin = next(r for r in records(tmp_path / f"resumed{g}.jsonl") if r["committed"])
         assert rejoin["join"] and rejoin["committed"] and not rejoin["heals"] and rejoin["sync"] == 4
 
 

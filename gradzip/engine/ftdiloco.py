@@ -8,7 +8,9 @@ forms a quorum of the groups alive at each sync. Per sync, every ``every`` inner
 2. Δ = θ_global − θ_local goes through the gradzip compressor (``--compressor``, error feedback
    with ``ef=true``), and the payloads are allgathered on torchft's process group with a header of
    (weight, healed, group): the weight is the tokens the group trained on since its last committed
-   sync (:meth:`FTDiLoCo.add_tokens`; without it, its inner steps);
+   sync (:meth:`FTDiLoCo.add_tokens`; without it, its inner steps). A group of weight 0 (just
+   healed, or nothing trained since its last sync) sends an empty payload and its error memory
+   stays as it was;
 3. every participant decodes every payload and takes the weighted mean Σ wᵢ·Δᵢ / Σ wᵢ in quorum
    rank order (the same floats everywhere), the outer optimizer (Nesterov SGD) steps θ_global on it
    and θ_local ← θ_global;
@@ -238,8 +240,13 @@ class FTDiLoCo:
             rec["refused"] = "fresh"
         elif m.errored() is None:
             try:
+                weight = 0.0 if self._healed else self.weight
                 payload, ctx = self.comp.compress(self._delta(), KEY)
-                header = [0.0 if self._healed else self.weight, float(self._healed), float(self.group)]
+                if weight == 0:  # nothing to contribute: send nothing, and leave the error memory as it was
+                    self.comp.end_step(False)
+                    self.comp.begin_step()
+                    payload = ()
+                header = [weight, float(self._healed), float(self.group)]
                 results = _ft.allgather_payloads(self.ft.pg, payload, header, m.num_participants())
                 rec["bytes"] = {f"gradzip_group_{int(h[2])}": _ft.payload_nbytes(p) for h, p in results}
             except Exception as e:  # a peer lost mid-exchange: torchft decides (no commit)
@@ -272,6 +279,8 @@ class FTDiLoCo:
         if total > 0:
             avg: Tensor | None = None
             for h, payload in results:  # quorum rank order: the same sum on every participant
+                if h[0] == 0:
+                    continue
                 d = self.comp.decompress(payload, ctx).reshape(-1).float() * (h[0] / total)
                 avg = d if avg is None else avg.add_(d)
             assert avg is not None
