@@ -159,12 +159,16 @@ def test_resume_from_checkpoints_is_bit_identical(groups, tmp_path):
     """Both groups stop after 4 inner steps (a sync) and save; resumed from their checkpoints they
     rejoin at the same torchft step (no heal: min_replicas=2 keeps the first one back from
     committing alone) and end bit-identical to an uninterrupted run."""
-    for g in (0, 1):
-        groups.start(f"full{g}", group=g, steps=8, min_replicas=2)
-    full = groups.results(2)
-    for g in (0, 1):
-        groups.start(f"part{g}", group=g, steps=4, min_replicas=2, save=str(tmp_path / f"ckpt{g}.pt"))
-    groups.results(2)
+    other = _ft.start_lighthouse(1, heartbeat_timeout_ms=1000)  # the uninterrupted run's, alongside
+    try:
+        for g in (0, 1):
+            groups.start(f"full{g}", group=g, steps=8, min_replicas=2, lighthouse=other.address())
+            groups.start(f"part{g}", group=g, steps=4, min_replicas=2, save=str(tmp_path / f"ckpt{g}.pt"))
+        done = [groups.queue.get(timeout=90) for _ in range(4)]
+    finally:
+        other.shutdown()
+    full = {g: (d, syncs, step) for g, d, syncs, step in done if step == 8}
+    assert sorted(full) == [0, 1]
     for g in (0, 1):
         groups.start(f"resumed{g}", group=g, steps=8, min_replicas=2, load=str(tmp_path / f"ckpt{g}.pt"))
     resumed = groups.results(2)

@@ -335,10 +335,9 @@ class FTDiLoCo:
                 f.write(json.dumps(rec) + "\n")
 
 
-def options(sync: SyncSpec, probe: bool = True) -> dict[str, Any]:
+def options(sync: SyncSpec) -> dict[str, Any]:
     """``--sync ftdiloco``'s own keys, typed and checked: groups, group, min_replicas,
-    lighthouse, lighthouse_port. A :class:`GradzipError` (one line) for a value out of range, the
-    ``ft`` extra missing, or (``probe``) a Lighthouse address where nothing answers."""
+    lighthouse, lighthouse_port. A :class:`GradzipError` (one line) for a value out of range."""
     opts = dict(sync.options)
     try:
         groups, group, floor, port = (int(opts[k]) for k in ("groups", "group", "min_replicas", "lighthouse_port"))
@@ -351,11 +350,16 @@ def options(sync: SyncSpec, probe: bool = True) -> dict[str, Any]:
     if not 1 <= floor <= groups:
         raise GradzipError(f"--sync ftdiloco: min_replicas={floor} must be in [1, groups={groups}]; "
                            "a quorum cannot hold more replica groups than the run has")
-    _ft.torchft()
-    if probe and opts["lighthouse"] != "local":
-        _ft.check_lighthouse(opts["lighthouse"])
     return {"groups": groups, "group": group, "min_replicas": floor, "lighthouse": opts["lighthouse"],
             "lighthouse_port": port}
+
+
+def check_reachable(sync: SyncSpec) -> None:
+    """What this machine must offer a ``--sync ftdiloco`` run: torchft installed (the ``ft`` extra)
+    and, unless ``lighthouse=local``, a Lighthouse answering at its address; one line otherwise."""
+    _ft.torchft()
+    if (addr := dict(sync.options)["lighthouse"]) != "local":
+        _ft.check_lighthouse(addr)
 
 
 def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any,
@@ -364,7 +368,7 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any
     if getattr(target, "world_size", None) != 1:
         raise GradzipError("--sync ftdiloco runs one rank per replica group: start each group as its own "
                            "gradzip train --backend gloo --workers 1 run, with group=I")
-    o = options(s.sync, probe=False)  # the Manager's own connection reports an address that stopped answering
+    o = options(s.sync)
     params = [p for p in model.parameters() if p.requires_grad]
     outer = torch.optim.SGD(params, lr=s.sync.outer_lr, momentum=s.sync.momentum, nesterov=s.sync.nesterov)
     return FTDiLoCo(model, optimizer, outer, s.sync.every, s.spec, groups=o["groups"], group=o["group"],

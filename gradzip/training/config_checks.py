@@ -152,8 +152,8 @@ def sharding_switches(d: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def check_ft(cfg: Any, source: str) -> None:
-    """``--sync ftdiloco``: one gloo rank per replica group, its keys in range, torchft installed and
-    the Lighthouse answering, checked before any rank starts."""
+    """``--sync ftdiloco``: one gloo rank per replica group, its keys in range (torchft and the
+    Lighthouse: :meth:`TrainConfig.check_runtime`)."""
     from gradzip.engine.ftdiloco import options
 
     if cfg.backend != "gloo" or cfg.workers != 1:
