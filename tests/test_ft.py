@@ -40,7 +40,9 @@ class Groups:
 
     def __init__(self, tmp: Path, lighthouse: str) -> None:
         self.tmp, self.lighthouse = tmp, lighthouse
-        self.ctx = mp.get_context("spawn")
+        # forkserver: every group forks from one process that imported torch and gradzip already
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "gradzip.engine.ftdiloco", "_ft_worker"])
         self.queue = self.ctx.Queue()
         self.procs: list[Any] = []
 
