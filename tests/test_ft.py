@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from gradzip.cli import main  # noqa: E402
 from gradzip.engine import _ft  # noqa: E402
+from gradzip.training.metrics import read_metrics  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ft_worker import run_group  # noqa: E402
@@ -216,3 +218,52 @@ class socket_closed:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+# ---------------------------------------------------------------------- under gradzip train
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_gradzip_train_two_groups_record_their_syncs(tmp_path, corpus):
+    """Two ``gradzip train`` runs, one per replica group (group 0 starts the Lighthouse): every
+    sync is in both runs' metrics.jsonl (``ft``: members, participants, bytes per participant),
+    with the same digests, and summary.json names the group."""
+    with socket_closed() as port:
+        pass
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        env.pop(k, None)
+
+    def run(group: int, lighthouse: str) -> subprocess.Popen:
+        argv = ["--model", "bert-tiny", "--seq-len", "64", "--batch-size", "4", "--eval-batches", "1",
+                "--eval-every", "0", "--no-progress", "--corpus", str(corpus), "--steps", "4",
+                "--backend", "gloo", "--workers", "1", "--compressor", "topk:ratio=0.01,ef=true",
+                "--sync", f"ftdiloco:every=2,groups=2,group={group},lighthouse={lighthouse},lighthouse_port={port}",
+                "--out", str(tmp_path / f"g{group}")]
+        return subprocess.Popen([sys.executable, "-m", "gradzip", "train", *argv], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = run(0, "local")
+    wait_for(lambda: port_open(port) or first.poll() is not None, "group 0's Lighthouse", limit=150)
+    second = run(1, f"http://127.0.0.1:{port}")
+    for p in (first, second):
+        _, err = p.communicate(timeout=150)
+        assert p.returncode == 0, err[-3000:]
+    runs = [read_metrics(tmp_path / f"g{g}" / "metrics.jsonl") for g in (0, 1)]
+    syncs = [[r["ft"] for r in rs if "ft" in r and r["ft"]["committed"]] for rs in runs]
+    assert [r["step"] for r in runs[0]] == [1, 2, 3, 4]
+    assert [s["sync"] for s in syncs[0]] == [s["sync"] for s in syncs[1]] == [1, 2, 3]  # join, step 2, step 4
+    for a, b in zip(*syncs):
+        assert a["digest"] == b["digest"] and a["members"] == b["members"] == [G0, G1]
+    assert all(s["participants"] == [G0, G1] and s["bytes"][G0] == s["bytes"][G1] > 0 for s in syncs[0][1:])
+    summary = json.loads((tmp_path / "g1" / "summary.json").read_text())
+    assert (summary["ft_group"], summary["ft_groups"], summary["ft_digest"]) == (1, 2, syncs[1][-1]["digest"])
+
+
+def port_open(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
