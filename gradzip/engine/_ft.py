@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
+import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,10 +26,14 @@ EXTRA_HINT = 'fault tolerance needs torchft: pip install "gradzip[ft]"'
 
 def torchft() -> Any:
     """The ``torchft`` module, or a :class:`GradzipError` (one line) naming the extra to install."""
+    # torchft's Rust side logs every quorum at INFO (RUST_LOG, read once, at its first log line),
+    # and its Manager warns at every reconfiguration that NCCL's flight recorder is absent (gloo).
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft as ft  # noqa: PLC0415 (optional dependency)
     except ImportError:
         raise GradzipError(EXTRA_HINT) from None
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
     return ft
 
 
@@ -36,9 +42,9 @@ def start_lighthouse(min_replicas: int, port: int = 0, join_timeout_ms: int = 20
     """An in-process Lighthouse on ``port`` (0: a free one) for a local run; ``.address()`` is
     what the replica groups are given, ``.shutdown()`` stops it. ``join_timeout_ms``: how long it
     waits for more replicas once ``min_replicas`` asked for a quorum."""
+    torchft()
     from torchft._torchft import LighthouseServer  # noqa: PLC0415
 
-    torchft()
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                             heartbeat_timeout_ms=heartbeat_timeout_ms)
 
