@@ -4,7 +4,8 @@
 step, inner step)`` on ``queue``. Keys: lighthouse,
 group, groups, min_replicas, every, spec, steps, log, guard, save/load (a checkpoint path),
 pause_at/resume_file (after ``pause_at`` inner steps, wait for the file to exist), ready_file
-(written once the group's Manager is up)."""
+(written once the group's Manager is up), outer_lr/momentum, tokens (per inner step), probe (a
+path prefix: the state before and after the first regular sync)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
     torch.manual_seed(0)  # every group is born with the same parameters
     model = torch.nn.Linear(16, 4)
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    momentum = cfg.get("momentum", 0.9)
+    outer = torch.optim.SGD(model.parameters(), lr=cfg.get("outer_lr", 0.7), momentum=momentum,
+                            nesterov=momentum > 0)
     ft = FTDiLoCo(model, inner, outer, cfg.get("every", 2), cfg.get("spec", "none"), groups=cfg["groups"],
                   group=cfg["group"], lighthouse=cfg["lighthouse"], min_replicas=cfg.get("min_replicas", 1),
                   timeout=cfg.get("timeout", 10.0), log=cfg.get("log"), guard=cfg.get("guard", True))
@@ -53,8 +56,14 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
         inner.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         inner.step()
-        ft.add_tokens(x.shape[0])
+        ft.add_tokens(cfg.get("tokens", x.shape[0]))
+        probe = cfg.get("probe") and ft.step + 1 == ft.every  # the first regular sync: θ_local, θ_global around it
+        if probe:
+            torch.save({"global": [g.clone() for g in ft.global_], "weight": ft.weight,
+                        "local": [p.detach().clone() for p in ft.params]}, f"{cfg['probe']}.before")
         ft.inner_step_done()
+        if probe:
+            torch.save([g.clone() for g in ft.global_], f"{cfg['probe']}.after")
     if cfg.get("save"):
         torch.save(ft.state_dict(), cfg["save"])
     queue.put((cfg["group"], ft.digest(), ft.ft.manager.current_step(), ft.step))

@@ -183,6 +183,30 @@ def test_resume_from_checkpoints_is_bit_identical(groups, tmp_path):
         assert rejoin["join"] and rejoin["committed"] and not rejoin["heals"] and rejoin["sync"] == 4
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_pseudo_gradients_are_averaged_with_token_weights(groups, tmp_path):
+    """Group 0 trains on 8 tokens a step, group 1 on 24: with a lossless exchange and an outer SGD
+    of lr 1, the new θ_global is θ_global − (8·Δ₀ + 24·Δ₁)/32, the same floats on both groups."""
+    import torch
+
+    for g, tokens in ((0, 8), (1, 24)):
+        groups.start(f"w{g}", group=g, steps=2, spec="none", outer_lr=1.0, momentum=0.0, tokens=tokens,
+                     probe=str(tmp_path / f"probe{g}"))
+    groups.results(2)
+    before = [torch.load(tmp_path / f"probe{g}.before", weights_only=True) for g in (0, 1)]
+    after = [torch.load(tmp_path / f"probe{g}.after", weights_only=True) for g in (0, 1)]
+    assert [b["weight"] for b in before] == [16.0, 48.0]  # 2 inner steps each
+    for i, g in enumerate(before[0]["global"]):
+        assert torch.equal(g, before[1]["global"][i])
+        deltas = [(g - b["local"][i]).reshape(-1) for b in before]
+        avg = (deltas[0] * (16 / 64)).add_(deltas[1] * (48 / 64))
+        want = g.clone().add_(avg.view(g.shape), alpha=-1.0)
+        assert torch.equal(after[0][i], want) and torch.equal(after[1][i], want)
+    ft0 = [r for r in records(tmp_path / "w0.jsonl") if r["committed"] and not r["join"]][0]
+    assert ft0["weights"] == {G0: 16.0, G1: 48.0} and ft0["bytes"] == {G0: 68 * 4, G1: 68 * 4}
+
+
 # ---------------------------------------------------------------------- bad input
 def train(tmp_path: Path, sync: str) -> int:
     return main(["train", "--model", "bert-tiny", "--backend", "gloo", "--workers", "1", "--no-progress",
