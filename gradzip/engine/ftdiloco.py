@@ -175,7 +175,8 @@ class FTDiLoCo:
 
     def synchronize(self) -> StepStats:
         """Count the inner step; every ``every``-th, the sync. Bytes: this group's payload (its
-        join sync's on its first step)."""
+        join sync's on its first step); ``syncs``: 1 for a committed sync (join syncs, which carry
+        no update of their own unless a resumed group brings one, are in ``ft`` alone)."""
         t0 = time.perf_counter()
         compute = t0 - (self._t_step or t0)
         rec = self.inner_step_done() or self._join_rec
@@ -185,7 +186,7 @@ class FTDiLoCo:
         return StepStats(compute_s=compute, compress_s=0.0, comm_s=dt, bytes_sent=sent, bytes_recv=0,
                          step_s=compute + dt,
                          clock="measured", link_s=dt, nonfinite=self._bad,
-                         syncs=int(bool(rec and rec["committed"])), ft=rec)
+                         syncs=int(bool(rec and rec["committed"] and not rec["join"])), ft=rec)
 
     def commit(self, nonfinite: int, stepper: OptimizerStep) -> float:
         norms, self._norms, self._bad = self._norms, [], 0
