@@ -26,6 +26,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SHARDED = {"fsdp": 2, "hsdp": 4}  # ranks per launch: 1-D FSDP, and a 2x2 HSDP mesh
 SELECTED_BY_FLAG = {"auto": {"spec": "auto"}}  # modes that no --sync spelling selects, and how to select them
+# one process per replica group, meeting at a torchft Lighthouse: the protocol is tested on gloo in test_ft.py
+PER_PROCESS = {"ftdiloco"}
 
 
 class Stepper:
@@ -70,7 +72,7 @@ def _loop(sync: Synchronizer, model: nn.Module, stepper: Stepper, steps: int) ->
     return sent
 
 
-@pytest.mark.parametrize("name", sorted(set(load_modes()) - set(SHARDED)))
+@pytest.mark.parametrize("name", sorted(set(load_modes()) - set(SHARDED) - PER_PROCESS))
 def test_every_registered_mode_serves_the_protocol_on_sim(name):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -87,6 +89,15 @@ def test_every_registered_mode_serves_the_protocol_on_sim(name):
     n = sum(p.numel() for p in model.parameters())
     assert sync.fp32_bytes(n) == allreduce_bytes(4 * n, 2)
     sync.detach()
+
+
+@pytest.mark.parametrize("name", sorted(PER_PROCESS))
+def test_per_process_modes_refuse_sim_in_one_line(name):
+    from gradzip.errors import GradzipError
+
+    model = nn.Linear(8, 4)
+    with pytest.raises(GradzipError, match="one rank per replica group"):
+        build_synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), SimWorld(2), settings_for(name))
 
 
 @pytest.mark.distributed

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -30,6 +31,8 @@ class StepStats:
     probe_bytes: ``--compressor auto``: the part of ``bytes_sent`` that the policy sent after the
         step's exchange (its link probe and the ranks' agreements; ``sim``: what they would send),
         so that the run's bytes and compression figure include them; 0 for the other modes.
+    ft: ``--sync ftdiloco``: the sync's quorum, participants, heals and bytes per participant
+        (``metrics.jsonl``'s ``ft``); None for the other modes and on steps without a sync.
     """
 
     compute_s: float
@@ -46,6 +49,7 @@ class StepStats:
     syncs: int = 1
     by_collective: dict[str, int] | None = None
     probe_bytes: int = 0
+    ft: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)

@@ -42,6 +42,7 @@ from gradzip.training.config_checks import (
     SWITCHES,
     _pre,
     check_auto,
+    check_ft,
     check_generated,
     check_netem,
     check_sharding,
@@ -257,6 +258,8 @@ class TrainConfig:
         try:
             sync = _parse_sync(self.sync)
             _check_own_codec(self, sync)
+            if sync.mode == "ftdiloco":  # torchft's settings, checked before any rank starts
+                check_ft(self, source)
         except SpecError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None
         if sync.outer and (self.optimizer.startswith("onebit-") or self.optimizer == "demo"):
@@ -299,7 +302,8 @@ class TrainConfig:
             raise GradzipError(f"{_pre(source)}--model: {e}") from None
 
     def check_runtime(self) -> None:
-        """Checks that depend on this machine: CUDA for nccl and fp16."""
+        """Checks that depend on this machine: CUDA for nccl and fp16, torchft and its Lighthouse for
+        ``--sync ftdiloco``."""
         cuda = torch.cuda.is_available()
         if self.device == "cuda" and not cuda:
             raise GradzipError("--device cuda: no CUDA device is available here; use --device cpu")
@@ -310,6 +314,10 @@ class TrainConfig:
         if self.precision == "fp16" and self.resolved_device != "cuda":
             raise GradzipError("--precision fp16 needs a CUDA device (gradient scaling); on CPU use bf16 or fp32")
         check_available(parse_log(self.log))
+        if self.sync_spec.mode == "ftdiloco":  # torchft installed, the Lighthouse answering
+            from gradzip.engine.ftdiloco import check_reachable
+
+            check_reachable(self.sync_spec)
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -128,7 +128,7 @@ def _record(progress: dict[str, Any], sums: list[float], n: int, lr: float, stat
         compute_s=stats.compute_s, compress_s=stats.compress_s, comm_s=stats.comm_s, opt_s=opt_s,
         bytes_sent=int(stats.bytes_sent), bytes_recv=int(stats.bytes_recv), grad_norm=grad_norm,
         clock=stats.clock, host_s=progress["host_s"], bytes_inter=int(stats.bytes_sent - stats.intra_bytes_sent),
-        skipped=bool(bad), syncs=stats.syncs, host_load=load, contended=contended,
+        skipped=bool(bad), syncs=stats.syncs, host_load=load, contended=contended, ft=stats.ft,
         **{f"bytes_{k}": v for k, v in (stats.by_collective or {}).items()})
 
 

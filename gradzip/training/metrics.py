@@ -40,6 +40,9 @@ eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_l
                accuracy ``eval_mlm_acc`` (top-1 over the masked positions) and ``eval_nsp_acc``;
                on a generated language (``--corpus hmm``) also ``eval_excess_loss``, the masked-LM
                loss above the Bayes-optimal loss of the same held-out batches
+ft             ``--sync ftdiloco``, on the steps that ran a sync: ``members`` (the quorum),
+               ``participants`` (weight > 0), ``heals``, ``bytes`` (per participant), ``weights``,
+               ``committed``, ``digest`` (docs/fault-tolerance.md)
 =============  =========================================================================
 
 :class:`StepRecord` is that record, typed; the loop fills one per step.
@@ -106,12 +109,14 @@ class StepRecord:
     eval_mlm_acc: float | None = None
     eval_nsp_acc: float | None = None
     eval_excess_loss: float | None = None
+    ft: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object; the eval fields only on steps that evaluated, the per-collective bytes
-        only in sharded runs."""
+        only in sharded runs, ``ft`` only on ``--sync ftdiloco``'s syncs."""
         d = asdict(self)
-        return {k: v for k, v in d.items() if not ((k.startswith("eval_") or k in _BY_COLLECTIVE) and v is None)}
+        return {k: v for k, v in d.items()
+                if not ((k.startswith("eval_") or k in _BY_COLLECTIVE or k == "ft") and v is None)}
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -1,0 +1,177 @@
+"""torchft glue for :mod:`gradzip.engine.ftdiloco`: the import, the Lighthouse, a replica group's
+Manager, the quorum it saw, the payload exchange on its process group, and the state digest.
+
+torchft (``pip install "gradzip[ft]"``) is imported here and only here, lazily: gradzip imports
+without it, and asking for fault tolerance without it is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradzip.errors import GradzipError
+
+EXTRA_HINT = 'fault tolerance needs torchft: pip install "gradzip[ft]"'
+
+
+def torchft() -> Any:
+    """The ``torchft`` module, or a :class:`GradzipError` (one line) naming the extra to install."""
+    # torchft's Rust side logs every quorum at INFO (RUST_LOG, read once, at its first log line),
+    # and its Manager warns at every reconfiguration that NCCL's flight recorder is absent (gloo).
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft as ft  # noqa: PLC0415 (optional dependency)
+    except ImportError:
+        raise GradzipError(EXTRA_HINT) from None
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+    return ft
+
+
+def start_lighthouse(min_replicas: int, port: int = 0, join_timeout_ms: int = 200,
+                     heartbeat_timeout_ms: int = 5000) -> Any:
+    """An in-process Lighthouse on ``port`` (0: a free one) for a local run; ``.address()`` is
+    what the replica groups are given, ``.shutdown()`` stops it. ``join_timeout_ms``: how long it
+    waits for more replicas once ``min_replicas`` asked for a quorum."""
+    torchft()
+    from torchft._torchft import LighthouseServer  # noqa: PLC0415
+
+    return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                            heartbeat_timeout_ms=heartbeat_timeout_ms)
+
+
+def check_lighthouse(addr: str, timeout: float = 5.0) -> None:
+    """A :class:`GradzipError` (one line) unless something answers at ``addr`` (``http://host:port``)."""
+    if not addr.startswith(("http://", "https://")):
+        raise GradzipError(f"lighthouse address {addr!r} must look like http://HOST:PORT")
+    hostport = addr.split("://", 1)[1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as e:
+        raise GradzipError(f"no torchft Lighthouse answers at {addr} ({e.__class__.__name__}); start one "
+                           "(torchft_lighthouse --min_replicas N) or give lighthouse=local") from None
+
+
+class _Recorder:
+    """Stands in for a Manager's client: passes every call through and keeps the last quorum's
+    result (its members, max step and heal decision), which torchft does not expose."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.last: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+@dataclass
+class Group:
+    """One replica group's torchft side: its Manager, process group, TCP store and quorum recorder."""
+
+    manager: Any
+    pg: Any
+    store: Any
+    recorder: _Recorder
+    lighthouse: Any = None  # the in-process Lighthouse this group started, if any
+    closed: bool = field(default=False)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.manager.shutdown(wait=False)
+            if self.lighthouse is not None:
+                self.lighthouse.shutdown()
+
+
+def make_group(replica_id: str, lighthouse: str, min_replicas: int, load: Any, save: Any,
+               timeout: float) -> Group:
+    """A Manager for this process as a replica group of one rank, speaking to ``lighthouse``.
+    ``load``/``save``: the state a healing peer copies (torchft's HTTP checkpoint transport)."""
+    ft = torchft()
+    from torch.distributed import TCPStore  # noqa: PLC0415
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout))
+    manager = ft.Manager(pg=pg, load_state_dict=load, state_dict=save, min_replica_size=min_replicas,
+                         use_async_quorum=False, timeout=timedelta(seconds=timeout),
+                         quorum_timeout=timedelta(seconds=max(timeout, 60.0)),
+                         connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1,
+                         store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
+                         replica_id=replica_id, init_sync=True)
+    recorder = _Recorder(manager._client)
+    manager._client = recorder  # the quorum goes through the recorder from now on
+    return Group(manager, pg, store, recorder)
+
+
+# ---------------------------------------------------------------------- the payload exchange
+def payload_nbytes(payload: tuple[Tensor, ...]) -> int:
+    """The payload's bytes on the wire: its tensors' data, no framing."""
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+def _pack(payload: tuple[Tensor, ...]) -> Tensor:
+    buf = io.BytesIO()
+    torch.save([t.detach().cpu().contiguous() for t in payload], buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(data: Tensor) -> tuple[Tensor, ...]:
+    return tuple(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))
+
+
+def allgather_payloads(pg: Any, payload: tuple[Tensor, ...], header: list[float],
+                       world: int) -> list[tuple[list[float], tuple[Tensor, ...]]]:
+    """Every participant's (header, payload), in quorum rank order, through ``pg`` (torchft's
+    reconfigurable process group): one allgather of the fixed-size headers (with the packed sizes),
+    one of the packed payloads padded to the largest. Raises on a lost peer (the caller reports it
+    to the Manager, which then does not commit)."""
+    from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: PLC0415
+
+    packed = _pack(payload)
+    head = torch.tensor([float(packed.numel()), *header], dtype=torch.float64)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    pg.allgather([heads], [head], AllgatherOptions()).wait()
+    size = int(max(h[0].item() for h in heads))
+    padded = torch.zeros(size, dtype=torch.uint8)
+    padded[:packed.numel()] = packed
+    outs = [torch.empty_like(padded) for _ in range(world)]
+    pg.allgather([outs], [padded], AllgatherOptions()).wait()
+    return [(h[1:].tolist(), _unpack(o[:int(h[0].item())])) for h, o in zip(heads, outs)]
+
+
+# ---------------------------------------------------------------------- the digest
+def digest(tensors: list[Tensor], outer_state: dict[str, Any]) -> str:
+    """sha256 over the bytes of ``tensors`` and of every tensor in the outer optimizer's state
+    (in its state_dict's order), with their dtypes and shapes: equal digests, equal states."""
+    h = hashlib.sha256()
+
+    def eat(t: Tensor) -> None:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    for t in tensors:
+        eat(t)
+    for pid in sorted(outer_state.get("state", {})):
+        for name in sorted(outer_state["state"][pid]):
+            v = outer_state["state"][pid][name]
+            if isinstance(v, Tensor):
+                eat(v)
+            else:
+                h.update(f"{name}={v}".encode())
+    return h.hexdigest()

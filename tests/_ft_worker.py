@@ -1,0 +1,70 @@
+"""A replica group for tests/test_ft.py: a small regression model trained with FTDiLoCo.
+
+``run_group(cfg, queue)`` trains ``cfg["steps"]`` inner steps, then puts ``(group, digest, torchft
+step, inner step)`` on ``queue``. Keys: lighthouse,
+group, groups, min_replicas, every, spec, steps, log, guard, save/load (a checkpoint path),
+pause_at/resume_file (after ``pause_at`` inner steps, wait for the file to exist), ready_file
+(written once the group's Manager is up), outer_lr/momentum, tokens (per inner step), probe (a
+path prefix: the state before and after the first regular sync)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+
+def _batch(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * group + step)
+    x = torch.randn(8, 16, generator=g)
+    w = torch.arange(64, dtype=torch.float32).reshape(16, 4) / 64
+    return x, x @ w
+
+
+def _wait(path: str, limit: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - t0 > limit:
+            raise TimeoutError(path)
+        time.sleep(0.02)
+
+
+def run_group(cfg: dict[str, Any], queue: Any) -> None:
+    torch.set_num_threads(1)
+    from gradzip.engine.ftdiloco import FTDiLoCo
+
+    torch.manual_seed(0)  # every group is born with the same parameters
+    model = torch.nn.Linear(16, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    momentum = cfg.get("momentum", 0.9)
+    outer = torch.optim.SGD(model.parameters(), lr=cfg.get("outer_lr", 0.7), momentum=momentum,
+                            nesterov=momentum > 0)
+    ft = FTDiLoCo(model, inner, outer, cfg.get("every", 2), cfg.get("spec", "none"), groups=cfg["groups"],
+                  group=cfg["group"], lighthouse=cfg["lighthouse"], min_replicas=cfg.get("min_replicas", 1),
+                  timeout=cfg.get("timeout", 10.0), log=cfg.get("log"), guard=cfg.get("guard", True))
+    if cfg.get("ready_file"):  # the Manager is up and heartbeating
+        open(cfg["ready_file"], "w").close()
+    if cfg.get("load"):
+        ft.load_state_dict(torch.load(cfg["load"], weights_only=True))
+    while ft.step < cfg.get("steps", 10**9):
+        if cfg.get("pause_at") is not None and ft.step == cfg["pause_at"]:
+            _wait(cfg["resume_file"])
+        ft.ensure_joined()
+        x, y = _batch(cfg["group"], ft.step)
+        inner.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        ft.add_tokens(cfg.get("tokens", x.shape[0]))
+        probe = cfg.get("probe") and ft.step + 1 == ft.every  # the first regular sync: θ_local, θ_global around it
+        if probe:
+            torch.save({"global": [g.clone() for g in ft.global_], "weight": ft.weight,
+                        "local": [p.detach().clone() for p in ft.params]}, f"{cfg['probe']}.before")
+        ft.inner_step_done()
+        if probe:
+            torch.save([g.clone() for g in ft.global_], f"{cfg['probe']}.after")
+    if cfg.get("save"):
+        torch.save(ft.state_dict(), cfg["save"])
+    queue.put((cfg["group"], ft.digest(), ft.ft.manager.current_step(), ft.step))
+    ft.close()

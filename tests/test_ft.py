@@ -1,0 +1,293 @@
+"""Fault-tolerant DiLoCo on torchft (``--sync ftdiloco``, docs/fault-tolerance.md): replica groups
+as processes on gloo with an in-process Lighthouse; a kill, a rejoin that heals bit-exactly, the
+single-member quorum of a fresh replica, a resume from checkpoints, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from gradzip.cli import main  # noqa: E402
+from gradzip.engine import _ft  # noqa: E402
+from gradzip.training.metrics import read_metrics  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ft_worker import run_group  # noqa: E402
+
+SPEC = "topk:ratio=0.25,ef=true"
+G0, G1 = "gradzip_group_0", "gradzip_group_1"
+
+
+@pytest.fixture
+def lighthouse():
+    server = _ft.start_lighthouse(1, heartbeat_timeout_ms=1000)
+    yield server.address()
+    server.shutdown()
+
+
+class Groups:
+    """Replica-group processes of one test, with their queue; every process is ended on exit."""
+
+    def __init__(self, tmp: Path, lighthouse: str) -> None:
+        self.tmp, self.lighthouse = tmp, lighthouse
+        # forkserver: every group forks from one process that imported torch and gradzip already
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "gradzip.engine.ftdiloco", "_ft_worker"])
+        self.queue = self.ctx.Queue()
+        self.procs: list[Any] = []
+
+    def start(self, name: str, **cfg: Any) -> Any:
+        cfg = {"lighthouse": self.lighthouse, "groups": 2, "every": 2, "spec": SPEC,
+               "log": str(self.tmp / f"{name}.jsonl"), **cfg}
+        p = self.ctx.Process(target=run_group, args=(cfg, self.queue), daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def results(self, n: int) -> dict[int, tuple]:
+        out = {}
+        for _ in range(n):
+            group, digest, syncs, step = self.queue.get(timeout=90)
+            out[group] = (digest, syncs, step)
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(10)
+
+
+@pytest.fixture
+def groups(tmp_path, lighthouse):
+    g = Groups(tmp_path, lighthouse)
+    yield g
+    g.close()
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(cond: Any, what: str, limit: float = 90.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > limit:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_kill_then_rejoin_heals_bit_exactly(groups, tmp_path):
+    """Group 1 is killed mid-run: group 0 goes on alone (partial participation, its bytes only).
+    A fresh group 1 rejoins: it copies θ_global, the outer state and the step from group 0
+    (torchft's checkpoint transport), its digest equals group 0's, and both finish together."""
+    resume = tmp_path / "resume"
+    groups.start("a", group=0, steps=16, pause_at=7, resume_file=str(resume))
+    b = groups.start("b", group=1, steps=16, pause_at=4, resume_file=str(tmp_path / "never"))
+    wait_for(lambda: any(r["step"] == 4 and r["committed"] for r in records(tmp_path / "b.jsonl")), "b's sync")
+    b.kill()
+    wait_for(lambda: any(r["members"] == [G0] and r["committed"] for r in records(tmp_path / "a.jsonl")),
+             "a's sync without b")
+    groups.start("b2", group=1, steps=16, ready_file=str(tmp_path / "ready"))
+    wait_for((tmp_path / "ready").exists, "b2's manager")
+    resume.touch()
+    res = groups.results(2)
+    assert res[0] == res[1] and res[0][2] == 16  # same digest, torchft step and inner step
+    a, b2 = records(tmp_path / "a.jsonl"), records(tmp_path / "b2.jsonl")
+    alone = [r for r in a if r["members"] == [G0] and r["committed"]]
+    assert alone and all(r["participants"] == [G0] and list(r["bytes"]) == [G0] for r in alone)
+    assert all(r["weights"][G0] == 16.0 for r in alone)  # 2 inner steps of 8 tokens
+    heal = next(r for r in b2 if r["healed"])
+    assert heal["committed"] and heal["heals"] == [G1] and heal["participants"] == [G0]
+    assert heal["weights"] == {G0: 16.0, G1: 0.0}
+    same = next(r for r in a if r["quorum_id"] == heal["quorum_id"] and r["committed"])
+    assert same["digest"] == heal["digest"] and same["heals"] == [G1]
+    assert not any(r["healed"] for r in a if not r["join"])  # the live group never healed
+    assert heal["bytes"] == {G0: 136, G1: 0}  # 17 values + 17 indices; a weight of 0 sends nothing
+    assert all(r["bytes"] == {G0: 136, G1: 136} for r in b2 if r["committed"] and not r["healed"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("guard", [True, False])
+def test_fresh_replica_alone_never_becomes_the_state(groups, tmp_path, guard):
+    """The single-member quorum: group 1 is killed and restarts fresh while group 0 is stopped
+    (no heartbeat), so the restarted group forms quorums alone. Without the guard it commits its
+    freshly initialised parameters, runs ahead, and group 0, when it resumes, heals *from it*:
+    the cluster's history is lost. With the guard it never commits alone and heals from group 0."""
+    resume = tmp_path / "resume"
+    a = groups.start("a", group=0, steps=24, every=1, pause_at=4, resume_file=str(resume))
+    b = groups.start("b", group=1, steps=24, every=1, pause_at=4, resume_file=str(tmp_path / "never"))
+    for name in ("a", "b"):
+        wait_for(lambda n=name: any(r["step"] == 4 and r["committed"] for r in records(tmp_path / f"{n}.jsonl")),
+                 f"{name}'s 4th sync")
+    os.kill(a.pid, signal.SIGSTOP)  # no heartbeat: the Lighthouse drops it
+    b.kill()
+    groups.start("b2", group=1, steps=24, every=1, guard=guard, pause_at=12, resume_file=str(resume))
+    if guard:
+        wait_for(lambda: sum(r.get("refused") == "fresh" for r in records(tmp_path / "b2.jsonl")) >= 3,
+                 "b2's refused quorums")
+    else:
+        wait_for(lambda: any(r["step"] == 12 for r in records(tmp_path / "b2.jsonl")), "b2's 12 syncs alone")
+    alone = [r for r in records(tmp_path / "b2.jsonl") if r["members"] == [G1]]
+    assert alone and all(r["committed"] != guard for r in alone)
+    os.kill(a.pid, signal.SIGCONT)
+    resume.touch()
+    res = groups.results(2)
+    assert res[0] == res[1]
+    a_heals = [r for r in records(tmp_path / "a.jsonl") if r["healed"] and not r["join"]]
+    if guard:  # the cluster's state survives: the fresh group healed from group 0
+        assert not a_heals and any(r["healed"] for r in records(tmp_path / "b2.jsonl"))
+    else:  # reproduced: the fresh state won
+        assert a_heals
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_resume_from_checkpoints_is_bit_identical(groups, tmp_path):
+    """Both groups stop after 4 inner steps (a sync) and save; resumed from their checkpoints they
+    rejoin at the same torchft step (no heal: min_replicas=2 keeps the first one back from
+    committing alone) and end bit-identical to an uninterrupted run."""
+    other = _ft.start_lighthouse(1, heartbeat_timeout_ms=1000)  # the uninterrupted run's, alongside
+    try:
+        for g in (0, 1):
+            groups.start(f"full{g}", group=g, steps=8, min_replicas=2, lighthouse=other.address())
+            groups.start(f"part{g}", group=g, steps=4, min_replicas=2, save=str(tmp_path / f"ckpt{g}.pt"))
+        done = [groups.queue.get(timeout=90) for _ in range(4)]
+    finally:
+        other.shutdown()
+    full = {g: (d, syncs, step) for g, d, syncs, step in done if step == 8}
+    assert sorted(full) == [0, 1]
+    for g in (0, 1):
+        groups.start(f"resumed{g}", group=g, steps=8, min_replicas=2, load=str(tmp_path / f"ckpt{g}.pt"))
+    resumed = groups.results(2)
+    assert resumed[0][0] == resumed[1][0] == full[0][0] == full[1][0]
+    assert resumed[0][1] == full[0][1] + 1  # the resumed run's join sync
+    for g in (0, 1):
+        rejoin = next(r for r in records(tmp_path / f"resumed{g}.jsonl") if r["committed"])
+        assert rejoin["join"] and rejoin["committed"] and not rejoin["heals"] and rejoin["sync"] == 4
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_pseudo_gradients_are_averaged_with_token_weights(groups, tmp_path):
+    """Group 0 trains on 8 tokens a step, group 1 on 24: with a lossless exchange and an outer SGD
+    of lr 1, the new θ_global is θ_global − (8·Δ₀ + 24·Δ₁)/32, the same floats on both groups."""
+    import torch
+
+    for g, tokens in ((0, 8), (1, 24)):
+        groups.start(f"w{g}", group=g, steps=2, spec="none", outer_lr=1.0, momentum=0.0, tokens=tokens,
+                     probe=str(tmp_path / f"probe{g}"))
+    groups.results(2)
+    before = [torch.load(tmp_path / f"probe{g}.before", weights_only=True) for g in (0, 1)]
+    after = [torch.load(tmp_path / f"probe{g}.after", weights_only=True) for g in (0, 1)]
+    assert [b["weight"] for b in before] == [16.0, 48.0]  # 2 inner steps each
+    for i, g in enumerate(before[0]["global"]):
+        assert torch.equal(g, before[1]["global"][i])
+        deltas = [(g - b["local"][i]).reshape(-1) for b in before]
+        avg = (deltas[0] * (16 / 64)).add_(deltas[1] * (48 / 64))
+        want = g.clone().add_(avg.view(g.shape), alpha=-1.0)
+        assert torch.equal(after[0][i], want) and torch.equal(after[1][i], want)
+    ft0 = [r for r in records(tmp_path / "w0.jsonl") if r["committed"] and not r["join"]][0]
+    assert ft0["weights"] == {G0: 16.0, G1: 48.0} and ft0["bytes"] == {G0: 68 * 4, G1: 68 * 4}
+
+
+# ---------------------------------------------------------------------- bad input
+def train(tmp_path: Path, sync: str) -> int:
+    return main(["train", "--model", "bert-tiny", "--backend", "gloo", "--workers", "1", "--no-progress",
+                 "--sync", sync, "--out", str(tmp_path / "run")])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    with socket_closed() as port:
+        assert train(tmp_path, f"ftdiloco:every=2,groups=2,lighthouse=http://127.0.0.1:{port}") == 2
+    assert train(tmp_path, "ftdiloco:every=2,groups=2,min_replicas=3") == 2
+    monkeypatch.setitem(sys.modules, "torchft", None)  # the ft extra missing
+    assert train(tmp_path, "ftdiloco:every=2,groups=2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "Traceback" not in "".join(err)
+    assert "no torchft Lighthouse answers at http://127.0.0.1:" in err[0]
+    assert "min_replicas=3 must be in [1, groups=2]" in err[1]
+    assert err[2].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
+
+
+class socket_closed:
+    """A local port where nothing listens (bound, then closed)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return port
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------- under gradzip train
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_gradzip_train_two_groups_record_their_syncs(tmp_path, corpus):
+    """Two ``gradzip train`` runs, one per replica group (group 0 starts the Lighthouse): every
+    sync is in both runs' metrics.jsonl (``ft``: members, participants, bytes per participant),
+    with the same digests, and summary.json names the group."""
+    with socket_closed() as port:
+        pass
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        env.pop(k, None)
+
+    def run(group: int, lighthouse: str) -> subprocess.Popen:
+        argv = ["--model", "bert-tiny", "--seq-len", "64", "--batch-size", "4", "--eval-batches", "1",
+                "--eval-every", "0", "--no-progress", "--corpus", str(corpus), "--steps", "4",
+                "--backend", "gloo", "--workers", "1", "--compressor", "topk:ratio=0.01,ef=true",
+                "--sync", f"ftdiloco:every=2,groups=2,group={group},lighthouse={lighthouse},lighthouse_port={port}",
+                "--out", str(tmp_path / f"g{group}")]
+        return subprocess.Popen([sys.executable, "-m", "gradzip", "train", *argv], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = run(0, "local")
+    wait_for(lambda: port_open(port) or first.poll() is not None, "group 0's Lighthouse", limit=150)
+    second = run(1, f"http://127.0.0.1:{port}")
+    for p in (first, second):
+        _, err = p.communicate(timeout=150)
+        assert p.returncode == 0, err[-3000:]
+    runs = [read_metrics(tmp_path / f"g{g}" / "metrics.jsonl") for g in (0, 1)]
+    syncs = [[r["ft"] for r in rs if "ft" in r and r["ft"]["committed"]] for rs in runs]
+    assert [r["step"] for r in runs[0]] == [1, 2, 3, 4]
+    assert [s["sync"] for s in syncs[0]] == [s["sync"] for s in syncs[1]] == [1, 2, 3]  # join, step 2, step 4
+    for a, b in zip(*syncs):
+        assert a["digest"] == b["digest"] and a["members"] == b["members"] == [G0, G1]
+    assert all(s["participants"] == [G0, G1] and s["bytes"][G0] == s["bytes"][G1] > 0 for s in syncs[0][1:])
+    summary = json.loads((tmp_path / "g1" / "summary.json").read_text())
+    assert (summary["ft_group"], summary["ft_groups"], summary["ft_digest"]) == (1, 2, syncs[1][-1]["digest"])
+
+
+def port_open(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
