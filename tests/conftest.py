@@ -82,7 +82,7 @@ def user_cache() -> Path:
     return USER_CACHE
 
 
-# `pytest -m quick`: the subset to run while iterating (about 4 minutes on 2 cores): the compressor
+# `pytest -m quick`: the subset to run while iterating (about half a minute on 2 cores): the compressor
 # contract, the configuration and its bad input, the sync-mode registry, and one distributed smoke
 # test per backend (sim, gloo, mpi). The full suite stays the CI's (`.ci/run`).
 QUICK = (
