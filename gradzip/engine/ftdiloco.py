@@ -382,4 +382,5 @@ register_sync("ftdiloco", "fault-tolerant DiLoCo on torchft, one replica group p
               keys=("every", "outer_lr", "momentum", "nesterov", "groups", "group", "min_replicas", "lighthouse",
                     "lighthouse_port"),
               defaults={"outer_lr": "0.7", "momentum": "0.9", "nesterov": "true", "groups": "1", "group": "0",
-                        "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510"})
+                        "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510"},
+              machine_check=check_reachable)

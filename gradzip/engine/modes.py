@@ -83,17 +83,22 @@ class SyncMode:
     build: Builder
     keys: tuple[str, ...] | None = None
     defaults: tuple[tuple[str, str], ...] = ()
+    machine_check: Callable[[SyncSpec], None] | None = None
 
 
 SYNC_MODES: dict[str, SyncMode] = {}
 
 
 def register_sync(name: str, help: str, build: Builder, keys: tuple[str, ...] | None = None,
-                  defaults: dict[str, str] | None = None, codec: Callable[[SyncSpec], str] | None = None) -> SyncMode:
-    """Register mode ``name`` (module docstring); a second registration of a name is an error."""
+                  defaults: dict[str, str] | None = None, codec: Callable[[SyncSpec], str] | None = None,
+                  machine_check: Callable[[SyncSpec], None] | None = None) -> SyncMode:
+    """Register mode ``name`` (module docstring); a second registration of a name is an error.
+    ``machine_check(sync)``: what this machine must offer the mode (an optional package, a server
+    answering), raising a one-line :class:`GradzipError`; run by :func:`check_machine`."""
     if name in SYNC_MODES:
         raise ValueError(f"sync mode {name!r} is registered twice")
-    mode = SyncMode(name, help, build, None if keys is None else tuple(keys), tuple((defaults or {}).items()))
+    mode = SyncMode(name, help, build, None if keys is None else tuple(keys), tuple((defaults or {}).items()),
+                    machine_check)
     if mode.keys is not None:
         register_spelling(name, help, mode.keys, dict(mode.defaults), codec)
     SYNC_MODES[name] = mode
@@ -114,6 +119,14 @@ def load_modes() -> dict[str, SyncMode]:
         if not mod.name.startswith("_"):
             importlib.import_module(f"gradzip.engine.{mod.name}")
     return SYNC_MODES
+
+
+def check_machine(sync: SyncSpec) -> None:
+    """The registered mode's :attr:`SyncMode.machine_check` of ``sync``, before a run starts its
+    world (a mode without one needs nothing of the machine)."""
+    mode = SYNC_MODES.get(sync.mode) or load_modes().get(sync.mode)
+    if mode is not None and mode.machine_check is not None:
+        mode.machine_check(sync)
 
 
 def build_synchronizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gradzip.comm.launch import detect_launcher_env, spawn_local
+from gradzip.engine.modes import check_machine
 from gradzip.errors import GradzipError
 from gradzip.host import choose_threads
 from gradzip.optim.registry import optimizer_help
@@ -222,6 +223,7 @@ def _under_launcher() -> bool:
 def _spawn(cfg: TrainConfig) -> int:
     """Start ``cfg.workers`` local ranks running this command, wait, report."""
     cfg.check_runtime()
+    check_machine(cfg.sync_spec)  # what the sync mode needs of this machine, before any rank starts
     if cfg.sharding == "hsdp":  # the node size against the world size this command starts
         ranks_per_node(cfg.ranks_per_node, cfg.workers, from_launcher=False)
     cfg = cfg.replace(out=cfg.out or cfg.default_out())

@@ -302,8 +302,9 @@ class TrainConfig:
             raise GradzipError(f"{_pre(source)}--model: {e}") from None
 
     def check_runtime(self) -> None:
-        """Checks that depend on this machine: CUDA for nccl and fp16, torchft and its Lighthouse for
-        ``--sync ftdiloco``."""
+        """Checks that depend on this machine: CUDA for nccl and fp16, the loggers' packages. What a
+        sync mode needs of the machine (``--sync ftdiloco``: torchft, its Lighthouse) is checked by
+        :func:`gradzip.training.runtime.create_runtime`, before the run's world starts."""
         cuda = torch.cuda.is_available()
         if self.device == "cuda" and not cuda:
             raise GradzipError("--device cuda: no CUDA device is available here; use --device cpu")
@@ -314,10 +315,6 @@ class TrainConfig:
         if self.precision == "fp16" and self.resolved_device != "cuda":
             raise GradzipError("--precision fp16 needs a CUDA device (gradient scaling); on CPU use bf16 or fp32")
         check_available(parse_log(self.log))
-        if self.sync_spec.mode == "ftdiloco":  # torchft installed, the Lighthouse answering
-            from gradzip.engine.ftdiloco import check_reachable
-
-            check_reachable(self.sync_spec)
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -20,6 +20,7 @@ from gradzip.comm import init_communicator
 from gradzip.comm.sim import SimWorld, set_work_scale
 from gradzip.data import PretrainData
 from gradzip.data.generated import GeneratedData, is_generated
+from gradzip.engine.modes import check_machine
 from gradzip.host import HostMonitor, busy_elsewhere, choose_threads, usable_cores
 from gradzip.models import bert_config
 from gradzip.training.config import TrainConfig, load_toml
@@ -149,7 +150,8 @@ def create_runtime(cfg: TrainConfig) -> Runtime:
     ``threads_requested`` keeps what this invocation alone would have chosen. Rank 0 warns in one
     line when other processes already keep cores busy; ``threads_warning`` holds the line for an
     explicit ``OMP_NUM_THREADS`` that differs from the run's count (the loop prints it once ``--out``
-    is accepted). A :class:`HostMonitor` watches for contention."""
+    is accepted). A :class:`HostMonitor` watches for contention. First, what the sync mode needs of
+    this machine (:func:`gradzip.engine.modes.check_machine`), one line otherwise."""
     rt = _create_runtime(cfg)
     omp = os.environ.get("OMP_NUM_THREADS", "").strip().isdigit()
     busy = 0.0 if omp else busy_elsewhere()
@@ -185,6 +187,7 @@ def saved_threads(cfg: TrainConfig) -> int | None:
 
 
 def _create_runtime(cfg: TrainConfig) -> Runtime:
+    check_machine(cfg.sync_spec)  # before the world starts
     if cfg.backend == "sim":
         world = SimWorld(cfg.workers, cfg.bandwidth, cfg.latency, timeout=cfg.timeout,
                          ranks_per_node=cfg.ranks_per_node or 1, intra_bandwidth=cfg.intra_bandwidth,
