@@ -2,7 +2,8 @@
 
 Every H inner steps, on each replica, with Δ = θ_global − θ_local its pseudo-gradient:
 
-1. e ← β·e + Δ (the error memory: one fp32 copy of the parameters per rank, in checkpoints);
+1. e ← β·e + Δ (the error memory: one copy of the parameters per rank, in checkpoints; fp32, or
+   bf16 with ``ef_dtype=bf16``, half the bytes, the arithmetic still fp32);
 2. ĉ = Q(TopK per chunk(e)): the ``sparseloco`` codec (:mod:`gradzip.compress.sparseloco`),
    allgathered at a fixed size;
 3. e ← e − decode(ĉ);
@@ -17,6 +18,8 @@ bytes like every DiLoCo sync. Every parameter travels in the codec, small ones i
 (``--min-compress-numel`` does not apply). Defaults: the published 70B configuration (H = 30, chunk 64, k = 64,
 2 bits, range 6, β = 0.95, α = 1). The codec replaces ``--compressor``, and the outer step
 replaces DiLoCo's ``outer_lr``/``momentum`` (``gradzip train`` refuses them with it).
+``ef_dtype=bf16`` keeps the error memory in bf16 (:func:`memory_dtype`); it is not a default, so
+``--sync sparseloco`` spells as before.
 """
 
 from __future__ import annotations
@@ -25,17 +28,32 @@ from typing import Any
 
 import torch
 
+from gradzip.compress.ef import ErrorFeedback
 from gradzip.engine.modes import SyncSettings, _engine_kwargs, register_sync
 from gradzip.engine.synchronizer import Synchronizer
-from gradzip.errors import SpecError
+from gradzip.errors import GradzipError, SpecError
 from gradzip.plan.sync import SyncSpec
 
 CODEC_KEYS = ("chunk", "k", "bits", "range", "index", "aggregate")  # passed to the codec as given
+EF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # ``ef_dtype=``: the error memory's dtype
+
+
+def memory_dtype(sync: SyncSpec) -> torch.dtype:
+    """The error memory's dtype of a parsed ``--sync sparseloco``: ``ef_dtype=fp32`` (the default)
+    or ``bf16`` (half the memory; e ← β·e + Δ and the subtraction still run in fp32, the new
+    residual is rounded into bf16: :class:`gradzip.compress.ef.ErrorFeedback`'s ``memory_dtype``)."""
+    name = dict(sync.options).get("ef_dtype", "fp32")
+    if name not in EF_DTYPES:
+        raise SpecError(f"--sync sparseloco: ef_dtype={name!r} must be fp32 or bf16 (the error memory's dtype; "
+                        "bf16 halves it)")
+    return EF_DTYPES[name]
 
 
 def codec_spec(sync: SyncSpec) -> str:
     """The compressor spec a parsed ``--sync sparseloco`` sends its pseudo-gradient through; a
-    :class:`SpecError` (one line) for a β outside [0, 1] or an α of 0."""
+    :class:`SpecError` (one line) for a β outside [0, 1], an α of 0 or an ``ef_dtype`` other than
+    fp32 and bf16 (the memory's dtype is no part of the spec: :func:`keep_memory_in`)."""
+    memory_dtype(sync)
     if not sync.alpha > 0:
         raise SpecError("--sync sparseloco: alpha=0 would never move the parameters; give alpha in (0, 1], e.g. 1")
     opts = dict(sync.options)
@@ -49,18 +67,30 @@ def codec_spec(sync: SyncSpec) -> str:
     return f"sparseloco:{codec},ef=true,ef_decay={beta:g}"
 
 
+def keep_memory_in(compressors: Any, dtype: torch.dtype) -> None:
+    """Keep the error memory of every one of ``compressors`` (SparseLoCo's error feedback, built from
+    :func:`codec_spec`, before its first step) in ``dtype``; fp32 leaves them exactly as built."""
+    for comp in compressors:
+        if not isinstance(comp, ErrorFeedback) or comp.memory:
+            raise GradzipError("SparseLoCo's error memory dtype is set on its error feedback before the first sync")
+        comp.memory_dtype = dtype
+
+
 def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any, s: SyncSettings) -> Synchronizer:
     from gradzip.engine.diloco import DiLoCo
 
     params = [p for p in model.parameters() if p.requires_grad]
     outer = torch.optim.SGD(params, lr=s.sync.alpha, momentum=0.0)  # θ ← θ − α·aggregate
     engine = {**_engine_kwargs(s), "min_compress_numel": 0}  # every parameter in the codec, as published
-    return DiLoCo(model, optimizer, outer, target, s.sync.every, codec_spec(s.sync), **engine,
+    sync = DiLoCo(model, optimizer, outer, target, s.sync.every, codec_spec(s.sync), **engine,
                   outer_overlap=s.sync.overlap, hook=False)
+    keep_memory_in(sync.compressors, memory_dtype(s.sync))
+    return sync
 
 
 register_sync("sparseloco", "SparseLoCo: every H steps, error feedback with decay β, top-k per chunk with 2-bit "
-              "codes, outer SGD step α (every=30,beta=0.95,alpha=1,chunk=64,k=64,bits=2,range=6,index=pack12)", _build,
-              keys=("every", "beta", "alpha", "overlap", *CODEC_KEYS),
+              "codes, outer SGD step α (every=30,beta=0.95,alpha=1,chunk=64,k=64,bits=2,range=6,index=pack12; "
+              "ef_dtype=bf16 halves the error memory)", _build,
+              keys=("every", "beta", "alpha", "overlap", *CODEC_KEYS, "ef_dtype"),
               defaults={"every": "30", "beta": "0.95", "alpha": "1", "chunk": "64", "k": "64", "bits": "2",
                         "range": "6", "index": "pack12", "aggregate": "selected"}, codec=codec_spec)

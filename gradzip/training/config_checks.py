@@ -70,7 +70,9 @@ def check_sharding(cfg: Any, source: str) -> None:
         raise GradzipError(f"{_pre(source)}--ef-dtype must be fp32 or bf16, got {cfg.ef_dtype!r}")
     if cfg.sharding == "none":
         if cfg.ef_dtype != "fp32":
-            raise GradzipError(f"{_pre(source)}--ef-dtype {cfg.ef_dtype} applies to --fsdp and --hsdp only")
+            own = (f"; --sync sparseloco keeps its memory in {cfg.ef_dtype} with --sync "
+                   f"sparseloco:ef_dtype={cfg.ef_dtype}" if cfg.sync_spec.mode == "sparseloco" else "")
+            raise GradzipError(f"{_pre(source)}--ef-dtype {cfg.ef_dtype} applies to --fsdp and --hsdp only{own}")
         return
     flag, why = f"--{cfg.sharding}", ""
     if cfg.backend not in ("gloo", "nccl"):
