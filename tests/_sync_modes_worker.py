@@ -23,8 +23,9 @@ from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from gradzip.engine.modes import SyncSettings, build_synchronizer  # noqa: E402
+from gradzip.engine.modes import SyncSettings, build_synchronizer, load_modes  # noqa: E402
 from gradzip.engine.synchronizer import Synchronizer  # noqa: E402
+from gradzip.plan.sync import parse_sync  # noqa: E402
 
 
 class Stepper:
@@ -44,6 +45,7 @@ def run(sharding: str, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Linear(8, 4))
     replicas = None
+    outer, _, sharding = sharding.rpartition("+")  # MODE+SHARDING: an outer --sync mode on the sharded model
     if sharding == "hsdp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
         shard_mesh, replicas = mesh["shard"], mesh["replicate"].get_group()
@@ -53,7 +55,9 @@ def run(sharding: str, rank: int, world: int) -> dict:
         fully_shard(layer, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    settings = SyncSettings(spec="none", sharding=sharding, replicas=replicas, timeout=60.0)
+    load_modes()  # the outer modes register their --sync spellings
+    sync_spec = parse_sync(f"{outer}:every=2") if outer else parse_sync("step")
+    settings = SyncSettings(spec="none", sync=sync_spec, sharding=sharding, replicas=replicas, timeout=60.0)
     sync = build_synchronizer(model, opt, type("Target", (), {"rank": rank})(), settings)
     stepper, sent = Stepper(opt), []
     for step in range(2):

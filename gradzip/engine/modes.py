@@ -8,7 +8,8 @@ A mode is a name, the section of settings it reads, and a builder::
 - ``keys``: the mode's ``--sync NAME:key=value`` parameters (its config section), registered with
   :mod:`gradzip.plan.sync` so that ``gradzip train --sync`` and ``gradzip simulate --sync`` accept
   the spelling. ``None``: not a ``--sync`` spelling (``auto``, ``fsdp`` and ``hsdp`` are chosen by
-  ``--compressor auto`` and ``--fsdp``/``--hsdp``).
+  ``--compressor auto`` and ``--fsdp``/``--hsdp``; ``MODE+SHARDING``, e.g. ``sparseloco+hsdp``, by
+  ``--sync MODE`` with ``--hsdp``: an outer mode on a sharded model).
 - ``defaults``: text values of some of ``keys`` for when they are not given (``every`` among them:
   ``--sync NAME`` alone then parses).
 - ``codec``: for a mode that sends every parameter through a codec of its own in place of
@@ -66,9 +67,10 @@ class SyncSettings:
     @property
     def mode(self) -> str:
         """The registered mode these settings select: the sharding (``fsdp``, ``hsdp``) first, as it
-        decides where gradients live; then ``auto`` for ``--compressor auto``; then ``--sync``'s mode."""
+        decides where gradients live (with an outer ``--sync`` mode, ``MODE+SHARDING``, e.g.
+        ``sparseloco+hsdp``); then ``auto`` for ``--compressor auto``; then ``--sync``'s mode."""
         if self.sharding != "none":
-            return self.sharding
+            return f"{self.sync.mode}+{self.sharding}" if self.sync.outer else self.sharding
         if is_auto(self.spec):
             return "auto"
         return self.sync.mode
@@ -136,6 +138,13 @@ def build_synchronizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if mode is None:
         raise GradzipError(f"no sync mode {settings.mode!r} is registered; registered: {', '.join(SYNC_MODES)}")
     return mode.build(model, optimizer, target, settings)
+
+
+def sharded_outer(sync: SyncSpec, sharding: str) -> bool:
+    """Whether outer mode ``sync`` runs on a model sharded with ``sharding`` (a registered
+    ``MODE+SHARDING``, e.g. ``sparseloco+hsdp``)."""
+    name = f"{sync.mode}+{sharding}"
+    return name in SYNC_MODES or name in load_modes()
 
 
 # ---------------------------------------------------------------------- the built-in modes

@@ -9,6 +9,7 @@ from typing import Any
 from gradzip.compress.ef import ErrorFeedback
 from gradzip.compress.registry import create
 from gradzip.data.hmm import HMMSpec, is_generated
+from gradzip.engine.modes import sharded_outer
 from gradzip.errors import GradzipError, SpecError
 from gradzip.netem.spec import UNSHAPED, parse_netem
 from gradzip.netem.trace import read_trace, resolve_trace
@@ -78,8 +79,14 @@ def check_sharding(cfg: Any, source: str) -> None:
     if cfg.backend not in ("gloo", "nccl"):
         why = (f"needs --backend gloo or nccl (FSDP2 runs on torch.distributed, one process per rank), "
                f"not {cfg.backend}; launch with torchrun, mpirun or srun, or let gradzip train start the ranks")
-    elif cfg.sync_spec.outer:
-        why = f"takes --sync step (FSDP reduces gradients every step), not --sync {cfg.sync}"
+    elif cfg.sync_spec.outer and not sharded_outer(cfg.sync_spec, cfg.sharding):
+        also = "; --sync sparseloco runs sharded with --hsdp" if sharded_outer(cfg.sync_spec, "hsdp") else ""
+        why = f"takes --sync step (FSDP reduces gradients every step), not --sync {cfg.sync}{also}"
+    elif cfg.sync_spec.outer and cfg.sync_spec.overlap:
+        why = f"with --sync {cfg.sync_spec.mode} waits for each sync's exchange: drop overlap=1, or drop {flag}"
+    elif cfg.sync_spec.outer and cfg.ef_dtype != "fp32":
+        why = (f"--ef-dtype {cfg.ef_dtype} is the per-step compressor's; --sync {cfg.sync_spec.mode} sets its own: "
+               f"--sync {cfg.sync_spec.mode}:ef_dtype={cfg.ef_dtype}")
     elif cfg.hierarchical:
         why = "and --hierarchical both split the reduction by node; use --hsdp --ranks-per-node K alone"
     elif cfg.optimizer not in ("adamw", "sgd"):
