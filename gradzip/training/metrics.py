@@ -35,7 +35,8 @@ host_s         real seconds since the run started, cumulative over resumes
 bytes_allgather  ``--fsdp``/``--hsdp`` only: ``bytes_sent`` split by collective: FSDP's parameter
                all-gathers; ``bytes_reduce_scatter`` (1-D: gradzip's compressed reduce-scatter; HSDP:
                FSDP's exact one inside the node); ``bytes_allreduce`` (HSDP: gradzip's compressed
-               all-reduce across the replicas, which is also ``bytes_inter``)
+               all-reduce across the replicas, which is also ``bytes_inter``; ``--sync sparseloco
+               --hsdp``: its allgather of the codes across the replicas)
 eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_loss``), masked-token
                accuracy ``eval_mlm_acc`` (top-1 over the masked positions) and ``eval_nsp_acc``;
                on a generated language (``--corpus hmm``) also ``eval_excess_loss``, the masked-LM

@@ -1,8 +1,8 @@
 """Which synchroniser a ``gradzip train`` configuration gets, and how the loop steps its optimizer.
 
 Every mode implements :class:`gradzip.engine.synchronizer.Synchronizer` and is registered by name
-in :mod:`gradzip.engine.modes` (``step``, ``diloco``, ``localsgd``, ``auto``, ``fsdp``, ``hsdp``, and
-any mode a module registers with :func:`gradzip.engine.modes.register_sync`). Building one is a
+in :mod:`gradzip.engine.modes` (``step``, ``diloco``, ``localsgd``, ``auto``, ``fsdp``, ``hsdp``,
+``sparseloco+hsdp``, and any mode a module registers with :func:`gradzip.engine.modes.register_sync`). Building one is a
 lookup: :func:`make_synchronizer` turns the configuration into the typed
 :class:`~gradzip.engine.modes.SyncSettings` every mode takes, and the settings name the mode.
 """
