@@ -27,7 +27,7 @@ REPO = HERE.parent
 SHARDED = {"fsdp": 2, "hsdp": 4}  # ranks per launch: 1-D FSDP, and a 2x2 HSDP mesh
 SELECTED_BY_FLAG = {"auto": {"spec": "auto"}}  # modes that no --sync spelling selects, and how to select them
 # one process per replica group, meeting at a torchft Lighthouse: the protocol is tested on gloo in test_ft.py
-PER_PROCESS = {"ftdiloco"}
+PER_PROCESS = {"ftdiloco", "ftsparseloco"}
 
 
 class Stepper:
