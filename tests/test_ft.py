@@ -309,9 +309,9 @@ def test_variant_outer_step_is_exact(groups, tmp_path, variant):
 
 
 # ---------------------------------------------------------------------- bad input
-def train(tmp_path: Path, sync: str) -> int:
+def train(tmp_path: Path, sync: str, *extra: str) -> int:
     return main(["train", "--model", "bert-tiny", "--backend", "gloo", "--workers", "1", "--no-progress",
-                 "--sync", sync, "--out", str(tmp_path / "run")])
+                 "--sync", sync, "--out", str(tmp_path / "run"), *extra])
 
 
 @pytest.mark.distributed
@@ -320,13 +320,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     with socket_closed() as port:
         assert train(tmp_path, f"ftdiloco:every=2,groups=2,lighthouse=http://127.0.0.1:{port}") == 2
     assert train(tmp_path, "ftdiloco:every=2,groups=2,min_replicas=3") == 2
+    assert train(tmp_path, "ftdiloco:every=4,fragments=2,delay=1") == 2
+    assert train(tmp_path, "ftsparseloco:groups=2", "--compressor", "topk") == 2
+    assert train(tmp_path, "ftsparseloco:groups=2", "--workers", "2") == 2
     monkeypatch.setitem(sys.modules, "torchft", None)  # the ft extra missing
     assert train(tmp_path, "ftdiloco:every=2,groups=2") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and "Traceback" not in "".join(err)
+    assert len(err) == 6 and "Traceback" not in "".join(err)
     assert "no torchft Lighthouse answers at http://127.0.0.1:" in err[0]
     assert "min_replicas=3 must be in [1, groups=2]" in err[1]
-    assert err[2].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
+    assert "--sync ftdiloco: delay=1 is not fault-tolerant" in err[2]
+    assert "--sync ftsparseloco sends its own codec" in err[3]
+    assert "--sync ftsparseloco runs each replica group as its own run" in err[4]
+    assert err[5].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
 
 
 class socket_closed:

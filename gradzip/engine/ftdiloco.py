@@ -27,6 +27,11 @@ sha256 digest of θ_global and the outer state, equal on every replica. **No fre
 quorum whose highest step is 0 holds only newborn groups; it commits only when it holds all
 ``groups`` (the run's founding sync), never when a restarted group finds itself alone.
 
+Streaming DiLoCo (``fragments=P``, :mod:`gradzip.engine.ftsync_fragments`): fragment f of the
+parameters syncs at inner step (f + 1)·H/P of each period, each in a quorum and commit of its own,
+with its own weight (tokens since that fragment's last committed sync) and error memory
+(``ft/f``); the delay τ is 0. SparseLoCo's outer step: :mod:`gradzip.engine.ftsparseloco`.
+
 Each sync appends one line to ``ft.jsonl`` in the run's directory (join syncs included): the
 quorum's members, the participants (weight > 0), the heals, the bytes per participant, whether it
 committed, the digest; under ``gradzip train`` the step's line of ``metrics.jsonl`` carries the
