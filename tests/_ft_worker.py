@@ -5,7 +5,8 @@ step, inner step)`` on ``queue``. Keys: lighthouse,
 group, groups, min_replicas, every, spec, steps, log, guard, save/load (a checkpoint path),
 pause_at/resume_file (after ``pause_at`` inner steps, wait for the file to exist), ready_file
 (written once the group's Manager is up), outer_lr/momentum, tokens (per inner step), probe (a
-path prefix: the state before and after the first regular sync)."""
+path prefix: the state before and after the first regular sync), fragments (Streaming DiLoCo's P),
+sparseloco (a dict of ``--sync ftsparseloco`` keys: that mode, with ``spec`` ignored)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,22 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
     momentum = cfg.get("momentum", 0.9)
     outer = torch.optim.SGD(model.parameters(), lr=cfg.get("outer_lr", 0.7), momentum=momentum,
                             nesterov=momentum > 0)
-    ft = FTDiLoCo(model, inner, outer, cfg.get("every", 2), cfg.get("spec", "none"), groups=cfg["groups"],
-                  group=cfg["group"], lighthouse=cfg["lighthouse"], min_replicas=cfg.get("min_replicas", 1),
-                  timeout=cfg.get("timeout", 10.0), log=cfg.get("log"), guard=cfg.get("guard", True))
+    kwargs = {"groups": cfg["groups"], "group": cfg["group"], "lighthouse": cfg["lighthouse"],
+              "min_replicas": cfg.get("min_replicas", 1), "timeout": cfg.get("timeout", 10.0), "log": cfg.get("log"),
+              "guard": cfg.get("guard", True)}
+    if cfg.get("sparseloco") is not None:
+        from gradzip.engine.ftsparseloco import FTSparseLoCo
+        from gradzip.engine.sparseloco import codec_spec
+        from gradzip.plan.sync import parse_sync
+
+        keys = ",".join(f"{k}={v}" for k, v in cfg["sparseloco"].items())
+        sync = parse_sync(f"ftsparseloco:every={cfg.get('every', 2)},{keys}")
+        outer = torch.optim.SGD(model.parameters(), lr=sync.alpha, momentum=0.0)
+        ft: FTDiLoCo = FTSparseLoCo(model, inner, outer, sync.every, codec_spec(sync),
+                                    aggregate=dict(sync.options)["aggregate"], **kwargs)
+    else:
+        ft = FTDiLoCo(model, inner, outer, cfg.get("every", 2), cfg.get("spec", "none"),
+                      fragments=cfg.get("fragments", 1), **kwargs)
     if cfg.get("ready_file"):  # the Manager is up and heartbeating
         open(cfg["ready_file"], "w").close()
     if cfg.get("load"):
@@ -57,7 +71,7 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         inner.step()
         ft.add_tokens(cfg.get("tokens", x.shape[0]))
-        probe = cfg.get("probe") and ft.step + 1 == ft.every  # the first regular sync: θ_local, θ_global around it
+        probe = cfg.get("probe") and ft.step + 1 == ft.plan.span  # the first regular sync: θ_local, θ_global around it
         if probe:
             torch.save({"global": [g.clone() for g in ft.global_], "weight": ft.weight,
                         "local": [p.detach().clone() for p in ft.params]}, f"{cfg['probe']}.before")

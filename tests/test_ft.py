@@ -122,6 +122,53 @@ def test_kill_then_rejoin_heals_bit_exactly(groups, tmp_path):
     assert all(r["bytes"] == {G0: 136, G1: 136} for r in b2 if r["committed"] and not r["healed"])
 
 
+# Streaming DiLoCo (2 fragments: the weight, then the bias) and SparseLoCo (chunks of 4x4, 2 per chunk)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fragments": {"every": 4, "fragments": 2},
+    "sparseloco": {"every": 2, "sparseloco": {"chunk": 4, "k": 2, "beta": 0.9, "alpha": 1}}}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_kill_then_rejoin_refuses_alone_then_heals(groups, tmp_path, variant):
+    """The kill and rejoin of the test above, for fragments and for SparseLoCo: the fresh group 1,
+    alone while group 0 is held back, is refused (no fresh state wins); then it heals from group 0
+    in one fragment's sync (its step, the fragment, θ_global and the outer state), and both end
+    with the same digest."""
+    cfg, resume = VARIANTS[variant], tmp_path / "resume"
+    a = groups.start("a", group=0, steps=16, pause_at=7, resume_file=str(resume), **cfg)
+    b = groups.start("b", group=1, steps=16, pause_at=4, resume_file=str(tmp_path / "never"), **cfg)
+    wait_for(lambda: any(r["step"] == 4 and r["committed"] for r in records(tmp_path / "b.jsonl")), "b's sync")
+    b.kill()
+    wait_for(lambda: any(r["members"] == [G0] and r["committed"] for r in records(tmp_path / "a.jsonl")),
+             "a's sync without b")
+    os.kill(a.pid, signal.SIGSTOP)  # no heartbeat: the Lighthouse lets the fresh group form quorums alone
+    groups.start("b2", group=1, steps=16, **cfg)
+    wait_for(lambda: any(r.get("refused") == "fresh" for r in records(tmp_path / "b2.jsonl")), "b2 refused alone")
+    os.kill(a.pid, signal.SIGCONT)
+    resume.touch()
+    res = groups.results(2)
+    assert res[0] == res[1] and res[0][2] == 16
+    a, b2 = records(tmp_path / "a.jsonl"), records(tmp_path / "b2.jsonl")
+    heal = next(r for r in b2 if r["healed"])
+    assert heal["committed"] and heal["heals"] == [G1] and heal["participants"] == [G0] and heal["step"] == 8
+    same = next(r for r in a if r["quorum_id"] == heal["quorum_id"] and r["committed"])
+    assert same["digest"] == heal["digest"] and same["step"] == 8
+    assert not any(r["healed"] for r in a if not r["join"])
+    both = [r for r in b2 if r["committed"] and not r["healed"]]
+    assert both and all(r["participants"] == [G0, G1] for r in both)
+    if variant == "fragments":  # fragment f at steps 4k + 2(f + 1); top-k 1/4: 16 (weight) or 1 (bias) of 8 bytes
+        assert heal["fragment"] == same["fragment"] == 1
+        syncs = [r for r in a if not r["join"]]
+        assert [r["step"] for r in syncs] == [2, 4, 6, 8, 10, 12, 14, 16]
+        assert all(r["fragment"] == (r["step"] - 1) % 4 // 2 for r in syncs)
+        assert all(r["bytes"] == {G0: 128, G1: 128} if r["fragment"] == 0 else r["bytes"] == {G0: 8, G1: 8}
+                   for r in both)
+    else:  # the sparseloco codec: weight 4 chunks x 2 (12 + 2 + 20 bytes), bias 1 chunk x 2 (3 + 1 + 20)
+        assert all(r["bytes"] == {G0: 58, G1: 58} for r in both)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("guard", [True, False])
@@ -159,28 +206,34 @@ def test_fresh_replica_alone_never_becomes_the_state(groups, tmp_path, guard):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_resume_from_checkpoints_is_bit_identical(groups, tmp_path):
-    """Both groups stop after 4 inner steps (a sync) and save; resumed from their checkpoints they
-    rejoin at the same torchft step (no heal: min_replicas=2 keeps the first one back from
-    committing alone) and end bit-identical to an uninterrupted run."""
+@pytest.mark.parametrize("variant", ["diloco", *sorted(VARIANTS)])
+def test_resume_from_checkpoints_is_bit_identical(groups, tmp_path, variant):
+    """Both groups stop after 4 inner steps (a sync; with fragments, 3: between two fragments'
+    syncs) and save; resumed from their checkpoints they rejoin at the same torchft step (no heal:
+    min_replicas=2 keeps the first one back from committing alone) and end bit-identical to an
+    uninterrupted run."""
+    cfg = VARIANTS.get(variant, {})
+    part = 3 if variant == "fragments" else 4
     other = _ft.start_lighthouse(1, heartbeat_timeout_ms=1000)  # the uninterrupted run's, alongside
     try:
         for g in (0, 1):
-            groups.start(f"full{g}", group=g, steps=8, min_replicas=2, lighthouse=other.address())
-            groups.start(f"part{g}", group=g, steps=4, min_replicas=2, save=str(tmp_path / f"ckpt{g}.pt"))
+            groups.start(f"full{g}", group=g, steps=8, min_replicas=2, lighthouse=other.address(), **cfg)
+            groups.start(f"part{g}", group=g, steps=part, min_replicas=2, save=str(tmp_path / f"ckpt{g}.pt"), **cfg)
         done = [groups.queue.get(timeout=90) for _ in range(4)]
     finally:
         other.shutdown()
     full = {g: (d, syncs, step) for g, d, syncs, step in done if step == 8}
     assert sorted(full) == [0, 1]
     for g in (0, 1):
-        groups.start(f"resumed{g}", group=g, steps=8, min_replicas=2, load=str(tmp_path / f"ckpt{g}.pt"))
+        groups.start(f"resumed{g}", group=g, steps=8, min_replicas=2, load=str(tmp_path / f"ckpt{g}.pt"), **cfg)
     resumed = groups.results(2)
     assert resumed[0][0] == resumed[1][0] == full[0][0] == full[1][0]
     assert resumed[0][1] == full[0][1] + 1  # the resumed run's join sync
     for g in (0, 1):
         rejoin = next(r for r in records(tmp_path / f"resumed{g}.jsonl") if r["committed"])
-        assert rejoin["join"] and rejoin["committed"] and not rejoin["heals"] and rejoin["sync"] == 4
+        assert rejoin["join"] and rejoin["committed"] and not rejoin["heals"]
+        assert rejoin["sync"] == (3 if variant == "fragments" else 4)  # join, 2 (and 4) before the stop
+        assert rejoin.get("fragment", 0) == (None if variant == "fragments" else 0)
 
 
 @pytest.mark.distributed
@@ -207,10 +260,58 @@ def test_pseudo_gradients_are_averaged_with_token_weights(groups, tmp_path):
     assert ft0["weights"] == {G0: 16.0, G1: 48.0} and ft0["bytes"] == {G0: 68 * 4, G1: 68 * 4}
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_outer_step_is_exact(groups, tmp_path, variant):
+    """The first regular sync, group 0 on 8 tokens a step and group 1 on 24. Fragments (lossless,
+    outer SGD of lr 1): fragment 0 (the weight) moves by the token-weighted mean of its Δ, the bias
+    stays. SparseLoCo: each coordinate moves by α times the token-weighted mean of the decoded codes
+    over the groups that selected it, Σ wᵢĉᵢ / Σ wᵢ[ĉᵢ ≠ 0]; the same floats on both groups."""
+    import torch
+
+    from gradzip.compress.registry import create
+
+    cfg = dict(VARIANTS[variant])
+    if variant == "fragments":
+        cfg.update(spec="none", outer_lr=1.0, momentum=0.0)
+    for g, tokens in ((0, 8), (1, 24)):
+        groups.start(f"w{g}", group=g, steps=2, tokens=tokens, probe=str(tmp_path / f"probe{g}"), **cfg)
+    groups.results(2)
+    before = [torch.load(tmp_path / f"probe{g}.before", weights_only=True) for g in (0, 1)]
+    after = [torch.load(tmp_path / f"probe{g}.after", weights_only=True) for g in (0, 1)]
+    assert [b["weight"] for b in before] == [16.0, 48.0]
+    glob = before[0]["global"]
+    assert all(torch.equal(a, b) for a, b in zip(glob, before[1]["global"]))
+    deltas = [[(g - loc).float() for g, loc in zip(glob, b["local"])] for b in before]
+    if variant == "fragments":
+        avg = deltas[0][0] * (16 / 64) + deltas[1][0] * (48 / 64)
+        want = [glob[0] - avg, glob[1]]
+    else:
+        codec = "sparseloco:chunk=4,k=2,bits=2,range=6,index=pack12,aggregate=selected,ef=true,ef_decay=0.9"
+        dec = []
+        for d in deltas:  # a fresh error memory: e = Δ, sent = decode(Q(TopK(e)))
+            comp = create(codec)
+            payload, ctx = comp.compress_batch(d, "ft")
+            dec.append(torch.cat([t.reshape(-1) for t in comp.decompress_batch(payload, ctx)]))
+        num = dec[0] * (16 / 64) + dec[1] * (48 / 64)
+        den = (dec[0] != 0).float() * (16 / 64) + (dec[1] != 0).float() * (48 / 64)
+        avg = num / den.masked_fill(den == 0, 1.0)
+        assert bool((den < 1).any() and (den > 0).any())  # some coordinates selected by one group only
+        flat = torch.cat([g.reshape(-1) for g in glob]) - avg
+        want = [flat[:64].view(4, 16), flat[64:]]
+    for a in after:
+        for got, w in zip(a, want):
+            assert torch.equal(got, w)
+    assert all(torch.equal(x, y) for x, y in zip(after[0], after[1]))
+    if variant == "fragments":
+        assert torch.equal(after[0][1], glob[1])  # fragment 1 did not move
+
+
 # ---------------------------------------------------------------------- bad input
-def train(tmp_path: Path, sync: str) -> int:
+def train(tmp_path: Path, sync: str, *extra: str) -> int:
     return main(["train", "--model", "bert-tiny", "--backend", "gloo", "--workers", "1", "--no-progress",
-                 "--sync", sync, "--out", str(tmp_path / "run")])
+                 "--sync", sync, "--out", str(tmp_path / "run"), *extra])
 
 
 @pytest.mark.distributed
@@ -219,13 +320,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     with socket_closed() as port:
         assert train(tmp_path, f"ftdiloco:every=2,groups=2,lighthouse=http://127.0.0.1:{port}") == 2
     assert train(tmp_path, "ftdiloco:every=2,groups=2,min_replicas=3") == 2
+    assert train(tmp_path, "ftdiloco:every=4,fragments=2,delay=1") == 2
+    assert train(tmp_path, "ftsparseloco:groups=2", "--compressor", "topk") == 2
+    assert train(tmp_path, "ftsparseloco:groups=2", "--workers", "2") == 2
     monkeypatch.setitem(sys.modules, "torchft", None)  # the ft extra missing
     assert train(tmp_path, "ftdiloco:every=2,groups=2") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and "Traceback" not in "".join(err)
+    assert len(err) == 6 and "Traceback" not in "".join(err)
     assert "no torchft Lighthouse answers at http://127.0.0.1:" in err[0]
     assert "min_replicas=3 must be in [1, groups=2]" in err[1]
-    assert err[2].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
+    assert "--sync ftdiloco: delay=1 is not fault-tolerant" in err[2]
+    assert "--sync ftsparseloco sends its own codec" in err[3]
+    assert "--sync ftsparseloco runs each replica group as its own run" in err[4]
+    assert err[5].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
 
 
 class socket_closed:

@@ -28,7 +28,7 @@ SHARDED = {"fsdp": 2, "hsdp": 4, "sparseloco+hsdp": 4}  # ranks per launch: 1-D 
 # (an outer mode on a sharded model: MODE+SHARDING, selected by --sync MODE with the sharding flag)
 SELECTED_BY_FLAG = {"auto": {"spec": "auto"}}  # modes that no --sync spelling selects, and how to select them
 # one process per replica group, meeting at a torchft Lighthouse: the protocol is tested on gloo in test_ft.py
-PER_PROCESS = {"ftdiloco"}
+PER_PROCESS = {"ftdiloco", "ftsparseloco"}
 
 
 class Stepper:

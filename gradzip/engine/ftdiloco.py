@@ -27,6 +27,11 @@ sha256 digest of θ_global and the outer state, equal on every replica. **No fre
 quorum whose highest step is 0 holds only newborn groups; it commits only when it holds all
 ``groups`` (the run's founding sync), never when a restarted group finds itself alone.
 
+Streaming DiLoCo (``fragments=P``, :mod:`gradzip.engine.ftsync_fragments`): fragment f of the
+parameters syncs at inner step (f + 1)·H/P of each period, each in a quorum and commit of its own,
+with its own weight (tokens since that fragment's last committed sync) and error memory
+(``ft/f``); the delay τ is 0. SparseLoCo's outer step: :mod:`gradzip.engine.ftsparseloco`.
+
 Each sync appends one line to ``ft.jsonl`` in the run's directory (join syncs included): the
 quorum's members, the participants (weight > 0), the heals, the bytes per participant, whether it
 committed, the digest; under ``gradzip train`` the step's line of ``metrics.jsonl`` carries the
@@ -49,46 +54,47 @@ from torch import Tensor
 from gradzip.comm.cost import allreduce_bytes
 from gradzip.compress.registry import create
 from gradzip.engine import _ft
+from gradzip.engine.ftsync_fragments import KEY, FragmentExchange, FragmentPlan
 from gradzip.engine.modes import SyncSettings, register_sync
 from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import OptimizerStep, Synchronizer
 from gradzip.errors import GradzipError
 from gradzip.plan.sync import SyncSpec
 
-KEY = "ft"  # the compressor's state key: one bucket, the whole model
 
-
-class FTDiLoCo:
+class FTDiLoCo(FragmentExchange):
     """Fault-tolerant DiLoCo for one replica group (module docstring). ``groups``: the run's number
     of replica groups (its founding quorum); ``group``: this one's index; ``lighthouse``: an
     address, or ``"local"`` to start one here (on ``lighthouse_port``). ``guard=False`` turns off
     the fresh-state guard, only to show the failure it prevents. ``log``: the ``ft.jsonl`` path."""
 
     eval_on_every_rank = False
+    mode = "ftdiloco"  # the --sync mode, in messages
 
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer,
                  every: int, compressor: str = "none", *, groups: int, group: int, lighthouse: str,
                  min_replicas: int = 1, lighthouse_port: int = 29510, timeout: float = 30.0,
-                 log: str | Path | None = None, guard: bool = True) -> None:
+                 log: str | Path | None = None, guard: bool = True, fragments: int = 1) -> None:
         if groups < 1 or not 0 <= group < groups:
-            raise GradzipError(f"--sync ftdiloco: group={group} must be in [0, groups={groups})")
+            raise GradzipError(f"--sync {self.mode}: group={group} must be in [0, groups={groups})")
         if not 1 <= min_replicas <= groups:
-            raise GradzipError(f"--sync ftdiloco: min_replicas={min_replicas} must be in [1, groups={groups}]; "
+            raise GradzipError(f"--sync {self.mode}: min_replicas={min_replicas} must be in [1, groups={groups}]; "
                                "a quorum cannot hold more replica groups than the run has")
         if every < 1:
-            raise GradzipError(f"--sync ftdiloco: every={every} must be >= 1")
+            raise GradzipError(f"--sync {self.mode}: every={every} must be >= 1")
         self.comp = create(compressor)
         if self.comp.rounds > 1:
-            raise GradzipError(f"--sync ftdiloco: {self.comp.spec} takes {self.comp.rounds} rounds; the fault-tolerant "
-                               "exchange is one allgather of payloads: use a single-round compressor")
+            raise GradzipError(f"--sync {self.mode}: {self.comp.spec} takes {self.comp.rounds} rounds; the "
+                               "fault-tolerant exchange is one allgather of payloads: use a single-round compressor")
         self.spec, self.model, self.inner, self.outer = self.comp.spec, model, inner, outer
         self.every, self.groups, self.group, self.min_replicas = every, groups, group, min_replicas
         self.guard, self.log = guard, Path(log) if log else None
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.plan = FragmentPlan.split([p.numel() for p in self.params], every, fragments, self.mode)
         with torch.no_grad():
             self.global_ = [p.detach().clone() for p in self.params]
         self.step = 0  # inner steps taken (θ_local's age), copied on a heal
-        self.weight = 0.0  # tokens (or inner steps) since the last committed sync
+        self.weights = [0.0] * self.plan.count  # per fragment: tokens (or inner steps) since its last committed sync
         self._tokens_given = False
         self._joined = False
         self._join_rec: dict[str, Any] | None = None  # the join sync's record, for the step's metrics
@@ -109,19 +115,25 @@ class FTDiLoCo:
         self.ft.lighthouse = server
 
     # ------------------------------------------------------------------ the library API
+    @property
+    def weight(self) -> float:
+        """The weight of the whole model's next pseudo-gradient (with fragments: fragment 0's)."""
+        return self.weights[0]
+
     def add_tokens(self, n: float) -> None:
-        """Count ``n`` tokens this group trained on (the weight of its next pseudo-gradient)."""
+        """Count ``n`` tokens this group trained on (the weight of its next pseudo-gradients)."""
         self._tokens_given = True
-        self.weight += float(n)
+        self.weights = [w + float(n) for w in self.weights]
 
     def inner_step_done(self) -> dict[str, Any] | None:
-        """The group took an inner step: count it, and sync at every ``every``-th. Returns the
-        sync's record (``ft.jsonl``'s line) or None."""
+        """The group took an inner step: count it, and sync at every ``every``-th (with
+        ``fragments=P``: a fragment at every ``every/P``-th). Returns the sync's record
+        (``ft.jsonl``'s line) or None."""
         self.ensure_joined()
         self.step += 1
         if not self._tokens_given:
-            self.weight += 1.0
-        return self.sync() if self.step % self.every == 0 else None
+            self.weights = [w + 1.0 for w in self.weights]
+        return self.sync() if self.plan.due(self.step) else None
 
     def ensure_joined(self) -> None:
         """Before the first inner step: the join sync, repeated until one commits (a first start
@@ -145,8 +157,9 @@ class FTDiLoCo:
 
     def summary(self) -> dict[str, Any]:
         """``summary.json``: this group, the run's groups, the quorum floor, the last digest."""
-        return {"ft_group": self.group, "ft_groups": self.groups, "ft_min_replicas": self.min_replicas,
-                "ft_syncs": self.ft.manager.current_step(), "ft_digest": self.last_digest}
+        out = {"ft_group": self.group, "ft_groups": self.groups, "ft_min_replicas": self.min_replicas,
+               "ft_syncs": self.ft.manager.current_step(), "ft_digest": self.last_digest}
+        return out if self.plan.count == 1 else {**out, "ft_fragments": self.plan.count}
 
     def fp32_bytes(self, n_params: int) -> int:
         """The per-step baseline: a ring allreduce of ``n_params`` fp32 gradients over the groups."""
@@ -194,17 +207,22 @@ class FTDiLoCo:
 
     def state_dict(self) -> dict[str, Any]:
         """The group's checkpoint: θ_global, θ_local, the outer and inner optimizers, the error
-        memory, the step, the weight and torchft's step (a resumed group rejoins at it)."""
+        memory, the step, the weights (``weight``: fragment 0's) and torchft's step (a resumed group
+        rejoins at it)."""
         return {"spec": self.spec, "global": [g.clone() for g in self.global_],
                 "local": [p.detach().clone() for p in self.params], "outer": self.outer.state_dict(),
                 "inner": self.inner.state_dict(), "compressor": self.comp.state_dict(), "step": self.step,
-                "weight": self.weight, "manager": self.ft.manager.state_dict()}
+                "weight": self.weights[0], "weights": list(self.weights), "manager": self.ft.manager.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("spec") != self.spec:
-            raise GradzipError(f"ftdiloco state is for {sd.get('spec')!r}, not {self.spec!r}; resume with the same "
+            raise GradzipError(f"{self.mode} state is for {sd.get('spec')!r}, not {self.spec!r}; resume with the same "
                                "--compressor")
+        weights = [float(w) for w in sd.get("weights", [sd["weight"]])]
+        if len(weights) != self.plan.count:
+            raise GradzipError(f"{self.mode} state has {len(weights)} fragment(s), not {self.plan.count}; resume "
+                               "with the same fragments=")
         for g, s in zip(self.global_, sd["global"]):
             g.copy_(s)
         for p, s in zip(self.params, sd["local"]):
@@ -212,7 +230,7 @@ class FTDiLoCo:
         self.outer.load_state_dict(sd["outer"])
         self.inner.load_state_dict(sd["inner"])
         self.comp.load_state_dict(sd["compressor"])
-        self.step, self.weight = int(sd["step"]), float(sd["weight"])
+        self.step, self.weights = int(sd["step"]), weights
         self.ft.manager.load_state_dict(sd["manager"])
         self._joined = False  # a resumed group rejoins (and heals if the cluster went on without it)
 
@@ -223,15 +241,20 @@ class FTDiLoCo:
     # ------------------------------------------------------------------ one sync
     @torch.no_grad()
     def sync(self, join: bool = False) -> dict[str, Any]:
-        """One fault-tolerant sync (module docstring); returns its ``ft.jsonl`` record."""
+        """One fault-tolerant sync (module docstring); returns its ``ft.jsonl`` record. With
+        fragments, the fragment is the one due at this group's step after the quorum (a healed
+        group's step is its peer's): :meth:`FragmentPlan.at`."""
         m, t0 = self.ft.manager, time.perf_counter()
         self._healed = False
         m.start_quorum()
         q = self.ft.recorder.last
         members = [r.split(":")[0] for r in q.replica_ids]
         fresh = q.max_step == 0 and len(members) < self.groups
+        frag = self.plan.at(self.step)
         rec: dict[str, Any] = {"step": self.step, "sync": m.current_step(), "quorum_id": q.quorum_id,
                                "members": members, "join": join, "healed": self._healed}
+        if self.plan.count > 1:
+            rec["fragment"] = frag
         results: list[tuple[list[float], tuple[Tensor, ...]]] = []
         ctx: Any = None
         self.comp.begin_step()
@@ -241,14 +264,7 @@ class FTDiLoCo:
             rec["refused"] = "fresh"
         elif m.errored() is None:
             try:
-                weight = 0.0 if self._healed else self.weight
-                payload, ctx = self.comp.compress(self._delta(), KEY)
-                if weight == 0:  # nothing to contribute: send nothing, and leave the error memory as it was
-                    self.comp.end_step(False)
-                    self.comp.begin_step()
-                    payload = ()
-                header = [weight, float(self._healed), float(self.group)]
-                results = _ft.allgather_payloads(self.ft.pg, payload, header, m.num_participants())
+                results, ctx = self._exchange(frag, m.num_participants())
                 rec["bytes"] = {f"gradzip_group_{int(h[2])}": _ft.payload_nbytes(p) for h, p in results}
             except Exception as e:  # a peer lost mid-exchange: torchft decides (no commit)
                 m.report_error(e)
@@ -258,8 +274,8 @@ class FTDiLoCo:
             rec["error"] = str(err.original_exception)[:300]
         committed = m.should_commit()
         self.comp.end_step(committed)
-        if committed:
-            self._apply(results, ctx)
+        if committed and frag is not None:
+            self._apply(frag, results, ctx)
         rec.update(committed=committed, participants=[f"gradzip_group_{int(h[2])}" for h, _ in results if h[0] > 0],
                    heals=[f"gradzip_group_{int(h[2])}" for h, _ in results if h[1] > 0],
                    weights={f"gradzip_group_{int(h[2])}": h[0] for h, _ in results},
@@ -268,41 +284,6 @@ class FTDiLoCo:
         self.last_digest = rec["digest"]
         self._write(rec)
         return rec
-
-    def _delta(self) -> Tensor:
-        """θ_global − θ_local over every parameter, one flat fp32 tensor."""
-        return torch.cat([(g.float() - p.detach().float()).reshape(-1) for g, p in zip(self.global_, self.params)])
-
-    def _apply(self, results: list[tuple[list[float], tuple[Tensor, ...]]], ctx: Any) -> None:
-        """The committed sync: the outer step on the weighted mean of the decoded Δ (skipped when
-        every weight is 0), then θ_local ← θ_global; the weight starts again."""
-        total = sum(h[0] for h, _ in results)
-        if total > 0:
-            avg: Tensor | None = None
-            for h, payload in results:  # quorum rank order: the same sum on every participant
-                if h[0] == 0:
-                    continue
-                d = self.comp.decompress(payload, ctx).reshape(-1).float() * (h[0] / total)
-                avg = d if avg is None else avg.add_(d)
-            assert avg is not None
-            self._outer_step(avg)
-        for p, g in zip(self.params, self.global_):
-            p.copy_(g)
-        self.weight = 0.0
-
-    def _outer_step(self, avg: Tensor) -> None:
-        """``outer.step()`` on θ_global (swapped into the parameters) with ``avg`` as the gradient."""
-        saved = [(p.data, p.grad) for p in self.params]
-        off = 0
-        for p, g in zip(self.params, self.global_):
-            p.data = g
-            p.grad = avg[off:off + g.numel()].view(g.shape).to(g.dtype)
-            off += g.numel()
-        try:
-            self.outer.step()
-        finally:
-            for p, (data, grad) in zip(self.params, saved):
-                p.data, p.grad = data, grad
 
     # ------------------------------------------------------------------ healing (torchft's transport)
     def _peer_state(self) -> dict[str, Any]:
@@ -322,7 +303,7 @@ class FTDiLoCo:
             p.copy_(g)
         self.step = int(sd["step"])
         self.comp.forget(KEY)
-        self.weight = 0.0
+        self.weights = [0.0] * self.plan.count
         self._healed = True
 
     def digest(self) -> str:
@@ -336,51 +317,65 @@ class FTDiLoCo:
                 f.write(json.dumps(rec) + "\n")
 
 
+# The keys every fault-tolerant mode takes, after its own (ftsparseloco's: gradzip/engine/ftsparseloco.py).
+FT_KEYS = ("groups", "group", "min_replicas", "lighthouse", "lighthouse_port")
+FT_DEFAULTS = {"groups": "1", "group": "0", "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510"}
+
+
 def options(sync: SyncSpec) -> dict[str, Any]:
-    """``--sync ftdiloco``'s own keys, typed and checked: groups, group, min_replicas,
-    lighthouse, lighthouse_port. A :class:`GradzipError` (one line) for a value out of range."""
-    opts = dict(sync.options)
+    """A fault-tolerant mode's own keys, typed and checked: groups, group, min_replicas,
+    lighthouse, lighthouse_port; and delay = 0. A :class:`GradzipError` (one line) for a value out
+    of range."""
+    opts, mode = dict(sync.options), sync.mode
     try:
         groups, group, floor, port = (int(opts[k]) for k in ("groups", "group", "min_replicas", "lighthouse_port"))
     except ValueError:
-        raise GradzipError("--sync ftdiloco: groups, group, min_replicas and lighthouse_port are integers, got "
+        raise GradzipError(f"--sync {mode}: groups, group, min_replicas and lighthouse_port are integers, got "
                            + ",".join(f"{k}={opts[k]}" for k in ("groups", "group", "min_replicas",
                                                                    "lighthouse_port"))) from None
     if groups < 1 or not 0 <= group < groups:
-        raise GradzipError(f"--sync ftdiloco: group={group} must be in [0, groups={groups})")
+        raise GradzipError(f"--sync {mode}: group={group} must be in [0, groups={groups})")
     if not 1 <= floor <= groups:
-        raise GradzipError(f"--sync ftdiloco: min_replicas={floor} must be in [1, groups={groups}]; "
+        raise GradzipError(f"--sync {mode}: min_replicas={floor} must be in [1, groups={groups}]; "
                            "a quorum cannot hold more replica groups than the run has")
+    if sync.delay:
+        raise GradzipError(f"--sync {mode}: delay={sync.delay} is not fault-tolerant: a fragment is applied at the "
+                           "step it is sent, inside its quorum and commit; give delay=0")
     return {"groups": groups, "group": group, "min_replicas": floor, "lighthouse": opts["lighthouse"],
             "lighthouse_port": port}
 
 
 def check_reachable(sync: SyncSpec) -> None:
-    """What this machine must offer a ``--sync ftdiloco`` run: torchft installed (the ``ft`` extra)
+    """What this machine must offer a fault-tolerant run: torchft installed (the ``ft`` extra)
     and, unless ``lighthouse=local``, a Lighthouse answering at its address; one line otherwise."""
     _ft.torchft()
     if (addr := dict(sync.options)["lighthouse"]) != "local":
         _ft.check_lighthouse(addr)
 
 
+def group_kwargs(target: Any, s: SyncSettings) -> dict[str, Any]:
+    """The replica group's keyword arguments of :class:`FTDiLoCo` from ``--sync`` (:func:`options`),
+    for a run of one rank (``--backend gloo --workers 1``); a :class:`GradzipError` otherwise."""
+    if getattr(target, "world_size", None) != 1:
+        raise GradzipError(f"--sync {s.sync.mode} runs one rank per replica group: start each group as its own "
+                           "gradzip train --backend gloo --workers 1 run, with group=I")
+    o = options(s.sync)
+    return {"groups": o["groups"], "group": o["group"], "lighthouse": o["lighthouse"],
+            "min_replicas": o["min_replicas"], "lighthouse_port": o["lighthouse_port"], "timeout": s.timeout or 30.0,
+            "log": Path(s.log_dir) / "ft.jsonl" if s.log_dir else None}
+
+
 def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any,
            s: SyncSettings) -> Synchronizer:
     """One replica group per ``gradzip train`` process (``--backend gloo --workers 1``)."""
-    if getattr(target, "world_size", None) != 1:
-        raise GradzipError("--sync ftdiloco runs one rank per replica group: start each group as its own "
-                           "gradzip train --backend gloo --workers 1 run, with group=I")
-    o = options(s.sync)
+    kwargs = group_kwargs(target, s)
     params = [p for p in model.parameters() if p.requires_grad]
     outer = torch.optim.SGD(params, lr=s.sync.outer_lr, momentum=s.sync.momentum, nesterov=s.sync.nesterov)
-    return FTDiLoCo(model, optimizer, outer, s.sync.every, s.spec, groups=o["groups"], group=o["group"],
-                    lighthouse=o["lighthouse"], min_replicas=o["min_replicas"], lighthouse_port=o["lighthouse_port"],
-                    timeout=s.timeout or 30.0, log=Path(s.log_dir) / "ft.jsonl" if s.log_dir else None)
+    return FTDiLoCo(model, optimizer, outer, s.sync.every, s.spec, fragments=s.sync.fragments, **kwargs)
 
 
-register_sync("ftdiloco", "fault-tolerant DiLoCo on torchft, one replica group per run (every=H,groups=N,group=I,"
-              "min_replicas=1,lighthouse=local|http://HOST:PORT,outer_lr=0.7,momentum=0.9)", _build,
-              keys=("every", "outer_lr", "momentum", "nesterov", "groups", "group", "min_replicas", "lighthouse",
-                    "lighthouse_port"),
-              defaults={"outer_lr": "0.7", "momentum": "0.9", "nesterov": "true", "groups": "1", "group": "0",
-                        "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510"},
+register_sync("ftdiloco", "fault-tolerant (Streaming) DiLoCo on torchft, one replica group per run (every=H,groups=N,"
+              "group=I,min_replicas=1,lighthouse=local|http://HOST:PORT,outer_lr=0.7,momentum=0.9,fragments=1)",
+              _build, keys=("every", "outer_lr", "momentum", "nesterov", "fragments", "delay", *FT_KEYS),
+              defaults={"outer_lr": "0.7", "momentum": "0.9", "nesterov": "true", **FT_DEFAULTS},
               machine_check=check_reachable)

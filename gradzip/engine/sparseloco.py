@@ -50,19 +50,19 @@ def memory_dtype(sync: SyncSpec) -> torch.dtype:
 
 
 def codec_spec(sync: SyncSpec) -> str:
-    """The compressor spec a parsed ``--sync sparseloco`` sends its pseudo-gradient through; a
-    :class:`SpecError` (one line) for a β outside [0, 1], an α of 0 or an ``ef_dtype`` other than
-    fp32 and bf16 (the memory's dtype is no part of the spec: :func:`keep_memory_in`)."""
+    """The compressor spec a parsed ``--sync sparseloco`` (or ``ftsparseloco``) sends its pseudo-gradient
+    through; a :class:`SpecError` (one line) for a β outside [0, 1], an α of 0 or an ``ef_dtype`` other
+    than fp32 and bf16 (the memory's dtype is no part of the spec: :func:`keep_memory_in`)."""
     memory_dtype(sync)
     if not sync.alpha > 0:
-        raise SpecError("--sync sparseloco: alpha=0 would never move the parameters; give alpha in (0, 1], e.g. 1")
+        raise SpecError(f"--sync {sync.mode}: alpha=0 would never move the parameters; give alpha in (0, 1], e.g. 1")
     opts = dict(sync.options)
     try:
         beta = float(opts["beta"])
     except ValueError:
-        raise SpecError(f"--sync sparseloco: beta={opts['beta']!r} is not a number") from None
+        raise SpecError(f"--sync {sync.mode}: beta={opts['beta']!r} is not a number") from None
     if not 0.0 <= beta <= 1.0:
-        raise SpecError(f"--sync sparseloco: beta={beta:g} must be in [0, 1] (the error memory's decay)")
+        raise SpecError(f"--sync {sync.mode}: beta={beta:g} must be in [0, 1] (the error memory's decay)")
     codec = ",".join(f"{k}={opts[k]}" for k in CODEC_KEYS)
     return f"sparseloco:{codec},ef=true,ef_decay={beta:g}"
 
@@ -88,9 +88,9 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any
     return sync
 
 
+DEFAULTS = {"every": "30", "beta": "0.95", "alpha": "1", "chunk": "64", "k": "64", "bits": "2", "range": "6",
+            "index": "pack12", "aggregate": "selected"}  # the published 70B configuration
 register_sync("sparseloco", "SparseLoCo: every H steps, error feedback with decay β, top-k per chunk with 2-bit "
               "codes, outer SGD step α (every=30,beta=0.95,alpha=1,chunk=64,k=64,bits=2,range=6,index=pack12; "
               "ef_dtype=bf16 halves the error memory)", _build,
-              keys=("every", "beta", "alpha", "overlap", *CODEC_KEYS, "ef_dtype"),
-              defaults={"every": "30", "beta": "0.95", "alpha": "1", "chunk": "64", "k": "64", "bits": "2",
-                        "range": "6", "index": "pack12", "aggregate": "selected"}, codec=codec_spec)
+              keys=("every", "beta", "alpha", "overlap", *CODEC_KEYS, "ef_dtype"), defaults=DEFAULTS, codec=codec_spec)

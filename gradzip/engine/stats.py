@@ -31,7 +31,7 @@ class StepStats:
     probe_bytes: ``--compressor auto``: the part of ``bytes_sent`` that the policy sent after the
         step's exchange (its link probe and the ranks' agreements; ``sim``: what they would send),
         so that the run's bytes and compression figure include them; 0 for the other modes.
-    ft: ``--sync ftdiloco``: the sync's quorum, participants, heals and bytes per participant
+    ft: ``--sync ftdiloco``/``ftsparseloco``: the sync's quorum, participants, heals and bytes per participant
         (``metrics.jsonl``'s ``ft``); None for the other modes and on steps without a sync.
     """
 

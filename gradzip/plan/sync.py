@@ -121,8 +121,10 @@ class SyncSpec:
         if self.mode == "step":
             return "step"
         if self.mode not in ("diloco", "localsgd"):  # a registered mode: every=H, its keys among the fields, its own
+            # overlap=0, fragments=1 and delay=0 are left out: the spelling of runs before those keys
+            unset = {"overlap": 0, "fragments": 1, "delay": 0}
             mine = [k for k in _KEYS.get(self.mode, ()) if k in _COMMON and k != "every"
-                    and (k != "overlap" or self.overlap)]  # overlap=0 is left out: the spelling of old runs
+                    and getattr(self, k) != unset.get(k, object())]
             fields = [f"{k}={_fmt(getattr(self, k))}" for k in mine]
             return ",".join([f"{self.mode}:every={self.every}", *fields, *(f"{k}={v}" for k, v in self.options)])
         if self.mode == "localsgd":

@@ -39,6 +39,7 @@ from gradzip.optim.registry import OPTIMIZER_NAMES
 from gradzip.plan.auto import is_auto
 from gradzip.plan.sync import SyncSpec, mode_codec, parse_sync
 from gradzip.training.config_checks import (
+    FT_MODES,
     SWITCHES,
     _pre,
     check_auto,
@@ -258,7 +259,7 @@ class TrainConfig:
         try:
             sync = _parse_sync(self.sync)
             _check_own_codec(self, sync)
-            if sync.mode == "ftdiloco":  # torchft's settings, checked before any rank starts
+            if sync.mode in FT_MODES:  # torchft's settings, checked before any rank starts
                 check_ft(self, source)
         except SpecError as e:
             raise GradzipError(f"{_pre(source)}{e}") from None

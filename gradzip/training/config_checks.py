@@ -164,12 +164,15 @@ def sharding_switches(d: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+FT_MODES = ("ftdiloco", "ftsparseloco")  # the fault-tolerant --sync modes: one run per replica group
+
+
 def check_ft(cfg: Any, source: str) -> None:
-    """``--sync ftdiloco``: one gloo rank per replica group, its keys in range (torchft and the
-    Lighthouse: :meth:`TrainConfig.check_runtime`)."""
+    """``--sync ftdiloco``/``ftsparseloco``: one gloo rank per replica group, its keys in range
+    (torchft and the Lighthouse: :meth:`TrainConfig.check_runtime`)."""
     from gradzip.engine.ftdiloco import options
 
     if cfg.backend != "gloo" or cfg.workers != 1:
-        raise GradzipError(f"{_pre(source)}--sync ftdiloco runs each replica group as its own run: "
+        raise GradzipError(f"{_pre(source)}--sync {cfg.sync_spec.mode} runs each replica group as its own run: "
                            f"--backend gloo --workers 1 (got --backend {cfg.backend} --workers {cfg.workers})")
     options(cfg.sync_spec)

@@ -41,9 +41,9 @@ eval_loss      on eval steps: held-out loss (and ``eval_mlm_loss``, ``eval_nsp_l
                accuracy ``eval_mlm_acc`` (top-1 over the masked positions) and ``eval_nsp_acc``;
                on a generated language (``--corpus hmm``) also ``eval_excess_loss``, the masked-LM
                loss above the Bayes-optimal loss of the same held-out batches
-ft             ``--sync ftdiloco``, on the steps that ran a sync: ``members`` (the quorum),
-               ``participants`` (weight > 0), ``heals``, ``bytes`` (per participant), ``weights``,
-               ``committed``, ``digest`` (docs/fault-tolerance.md)
+ft             ``--sync ftdiloco``/``ftsparseloco``, on the steps that ran a sync: ``members``
+               (the quorum), ``participants`` (weight > 0), ``heals``, ``bytes`` (per participant),
+               ``weights``, ``committed``, ``digest``, ``fragment`` (docs/fault-tolerance.md)
 =============  =========================================================================
 
 :class:`StepRecord` is that record, typed; the loop fills one per step.
