@@ -62,14 +62,15 @@ class FTDiLoCo:
     """Fault-tolerant DiLoCo for one replica group (module docstring). ``groups``: the run's number
     of replica groups (its founding quorum); ``group``: this one's index; ``lighthouse``: an
     address, or ``"local"`` to start one here (on ``lighthouse_port``). ``guard=False`` turns off
-    the fresh-state guard, only to show the failure it prevents. ``log``: the ``ft.jsonl`` path."""
+    the fresh-state guard, only to show the failure it prevents. ``log``: the ``ft.jsonl`` path.
+    ``host``: the address the other groups reach this one at (None: all on this machine)."""
 
     eval_on_every_rank = False
 
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer,
                  every: int, compressor: str = "none", *, groups: int, group: int, lighthouse: str,
                  min_replicas: int = 1, lighthouse_port: int = 29510, timeout: float = 30.0,
-                 log: str | Path | None = None, guard: bool = True) -> None:
+                 log: str | Path | None = None, guard: bool = True, host: str | None = None) -> None:
         if groups < 1 or not 0 <= group < groups:
             raise GradzipError(f"--sync ftdiloco: group={group} must be in [0, groups={groups})")
         if not 1 <= min_replicas <= groups:
@@ -105,7 +106,7 @@ class FTDiLoCo:
         else:
             _ft.check_lighthouse(lighthouse)
         self.ft = _ft.make_group(f"gradzip_group_{group}", lighthouse, min_replicas, self._load_peer,
-                                 self._peer_state, timeout)
+                                 self._peer_state, timeout, host=host)
         self.ft.lighthouse = server
 
     # ------------------------------------------------------------------ the library API
@@ -338,7 +339,7 @@ class FTDiLoCo:
 
 def options(sync: SyncSpec) -> dict[str, Any]:
     """``--sync ftdiloco``'s own keys, typed and checked: groups, group, min_replicas,
-    lighthouse, lighthouse_port. A :class:`GradzipError` (one line) for a value out of range."""
+    lighthouse, lighthouse_port, host. A :class:`GradzipError` (one line) for a value out of range."""
     opts = dict(sync.options)
     try:
         groups, group, floor, port = (int(opts[k]) for k in ("groups", "group", "min_replicas", "lighthouse_port"))
@@ -352,7 +353,7 @@ def options(sync: SyncSpec) -> dict[str, Any]:
         raise GradzipError(f"--sync ftdiloco: min_replicas={floor} must be in [1, groups={groups}]; "
                            "a quorum cannot hold more replica groups than the run has")
     return {"groups": groups, "group": group, "min_replicas": floor, "lighthouse": opts["lighthouse"],
-            "lighthouse_port": port}
+            "lighthouse_port": port, "host": opts.get("host") or None}
 
 
 def check_reachable(sync: SyncSpec) -> None:
@@ -374,13 +375,13 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any
     outer = torch.optim.SGD(params, lr=s.sync.outer_lr, momentum=s.sync.momentum, nesterov=s.sync.nesterov)
     return FTDiLoCo(model, optimizer, outer, s.sync.every, s.spec, groups=o["groups"], group=o["group"],
                     lighthouse=o["lighthouse"], min_replicas=o["min_replicas"], lighthouse_port=o["lighthouse_port"],
-                    timeout=s.timeout or 30.0, log=Path(s.log_dir) / "ft.jsonl" if s.log_dir else None)
+                    host=o["host"], timeout=s.timeout or 30.0, log=Path(s.log_dir) / "ft.jsonl" if s.log_dir else None)
 
 
 register_sync("ftdiloco", "fault-tolerant DiLoCo on torchft, one replica group per run (every=H,groups=N,group=I,"
-              "min_replicas=1,lighthouse=local|http://HOST:PORT,outer_lr=0.7,momentum=0.9)", _build,
+              "min_replicas=1,lighthouse=local|http://HOST:PORT,host=ADDR,outer_lr=0.7,momentum=0.9)", _build,
               keys=("every", "outer_lr", "momentum", "nesterov", "groups", "group", "min_replicas", "lighthouse",
-                    "lighthouse_port"),
+                    "lighthouse_port", "host"),
               defaults={"outer_lr": "0.7", "momentum": "0.9", "nesterov": "true", "groups": "1", "group": "0",
                         "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510"},
               machine_check=check_reachable)
