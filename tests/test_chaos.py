@@ -96,12 +96,14 @@ def test_late_joiner_heals_and_matches(groups, tmp_path):  # noqa: F811
 
 
 # ---------------------------------------------------------------------- the report's arithmetic
-def _write_run(out: Path) -> None:
+def _write_run(out: Path, rate: float = 6.0) -> None:
     """Two groups, H = 4, batch 2 x 8 = 16 tokens: founding at t=10, syncs every 2 s; group 1 is
     killed at rel 3 and its restart heals at rel 9 (healed digest equal to group 0's)."""
     out.mkdir()
-    (out / "settings.json").write_text(json.dumps({"groups": 2, "hosts": 0, "duration": 10.0, "batch_size": 2,
-                                                   "seq_len": 8, "rate": 6.0, "kinds": ["kill"], "seed": 0}))
+    (out / "settings.json").write_text(json.dumps({
+        "groups": 2, "hosts": 0, "duration": 10.0, "batch_size": 2, "seq_len": 8, "rate": rate, "kinds": ["kill"],
+        "seed": 0, "model": "bert-tiny", "link_rate": "100mbit", "compressor": "topk:ratio=0.01,ef=true",
+        "every": 4, "min_replicas": 1, "recovery": 1.0}))
     ev = [{"t": 0.0, "event": "launch", "group": 0, "inc": 0}, {"t": 0.0, "event": "launch", "group": 1, "inc": 0},
           {"t": 10.0, "event": "founding"}, {"t": 13.0, "event": "kill", "fault": 0, "group": 1, "inc": 0},
           {"t": 15.0, "event": "launch", "group": 1, "inc": 1}, {"t": 30.0, "event": "end"}]
@@ -141,6 +143,30 @@ def test_report_counts_what_the_files_say(tmp_path):
     assert jump["group"] == 1 and abs(jump["jump"] - 0.2) < 1e-9 and s["loss_continuous"]
     assert s["held_out"]["mean"] == 6.0
     assert "goodput 32.0 tokens/s" in (tmp_path / "run" / "summary.md").read_text()
+
+
+def test_compare_divides_by_the_baseline_and_asks_the_model(tmp_path):
+    from gradzip.chaos import compare
+
+    _write_run(tmp_path / "f0", rate=0.0)
+    _write_run(tmp_path / "f6")
+    base = report.summarize(tmp_path / "f0")
+    ev = tmp_path / "f6" / "events.jsonl"  # the faulty run commits half the baseline's syncs' weight
+    rows = [json.loads(line) for line in (tmp_path / "f6" / "timeline.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["kind"] == "ft":
+            r["rec"]["weights"] = {k: v / 2 for k, v in r["rec"]["weights"].items()}
+    (tmp_path / "f6" / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ev.exists()
+    res = compare.compare([str(tmp_path / "f0"), str(tmp_path / "f6")], tmp_path / "cmp")
+    f0, f6 = res["runs"]
+    assert res["baseline_goodput_tokens_per_s"] == base["goodput_tokens_per_s"] == 32.0
+    assert f0["goodput_ratio"] == 1.0 and f0["model_goodput"] == 1.0 and f6["goodput_ratio"] == 0.5
+    assert res["round_s"] == 2.0 and res["startup_s"] == 2.5  # sync gaps 2, 2, 3: median 2
+    assert 0 < f6["model_goodput"] < 1 and "--failures-per-minute 6 --recovery 3.50s" in f6["model_command"]
+    assert f6["model_error"] == abs(0.5 - f6["model_goodput"]) / f6["model_goodput"]
+    for name in ("compare.json", "compare.md", "goodput.png", "participation.png", "loss.png"):
+        assert (tmp_path / "cmp" / name).stat().st_size > 0
 
 
 # ---------------------------------------------------------------------- the partition, on the testbed

@@ -276,7 +276,7 @@ def _f(x: Any, fmt: str = ".2f") -> str:
 def markdown(s: dict[str, Any]) -> str:
     """``summary.md``: the run's measures in a few lines and its faults in a table."""
     st, fin = s["settings"], s["final"]
-    kinds = ",".join(st["kinds"])
+    kinds = ",".join(st["kinds"]) if st["rate"] else "no faults"
     lines = [f"# Chaos run: {st['groups']} groups, {st['rate']:g} faults/min ({kinds}), seed {st['seed']}",
              "",
              f"- window {s['window_s']:g} s: {s['committed_syncs']} committed syncs, "
