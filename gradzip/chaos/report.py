@@ -16,9 +16,10 @@ written). The measures:
   from the new process's launch to its first quorum request;
 - **heals**: every heal's digest against the digest of a group that did not heal in the same sync;
 - **final digests**: at the last sync every surviving group committed, each one's digest;
-- **loss continuity**: per heal, the healed group's mean training loss over its first
-  ``LOSS_STEPS`` steps after it, against the other groups' mean over the ``LOSS_WINDOW_S`` seconds
-  before it; continuous when that jump is at most ``loss_bound``;
+- **loss continuity**: per heal after the founding sync, the healed group's mean training loss
+  over its first ``LOSS_STEPS`` steps after it, against the other members' first steps after the
+  same sync (they start from the same θ_global); continuous when that jump is at most
+  ``loss_bound``;
 - **held-out loss**: every surviving group's last held-out loss in the window (every sync's
   held-out loss is the same on every group that committed it: θ_local = θ_global there).
 """
@@ -31,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 LOSS_STEPS = 4
-LOSS_WINDOW_S = 10.0
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -52,8 +52,8 @@ class Run:
         for e in self.events:
             e["rel"] = e["t"] - founding
         rows = _jsonl(self.out / "timeline.jsonl")
-        for r in rows:
-            r["rel"] = r["t"] - founding
+        for i, r in enumerate(rows):
+            r["rel"], r["i"] = r["t"] - founding, i  # i: the order the harness read them in
         self.ft = [r for r in rows if r["kind"] == "ft"]
         self.steps = [r for r in rows if r["kind"] == "step"]
         self.duration = float(self.settings["duration"])
@@ -69,9 +69,9 @@ class Run:
             s = by.setdefault((rec["quorum_id"], rec["sync"]), {
                 "rel": r["rel"], "sync": rec["sync"], "quorum_id": rec["quorum_id"], "members": rec["members"],
                 "participants": rec["participants"], "heals": rec["heals"], "weights": rec["weights"],
-                "join": False, "rows": []})
+                "join": True, "rows": []})
             s["rel"] = min(s["rel"], r["rel"])
-            s["join"] = s["join"] or rec["join"]
+            s["join"] = s["join"] and rec["join"]  # a founding sync; a restart's join is others' regular sync
             s["rows"].append(r)
         return sorted(by.values(), key=lambda s: s["rel"])
 
@@ -176,19 +176,27 @@ def heals(run: Run, syncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def loss_jumps(run: Run, heal_list: list[dict[str, Any]], bound: float) -> list[dict[str, Any]]:
-    """Per heal: the healed group's first steps' loss against the others' just before (module docstring)."""
+def _losses_after(run: Run, row: dict[str, Any]) -> list[float]:
+    """The training losses of the first ``LOSS_STEPS`` steps of ``row``'s process after its sync
+    ``row``: its step records read after it, less the sync step's own (whose forward came before the
+    sync; a join sync runs before the process's first step, so nothing is dropped then)."""
+    after = [r["loss"] for r in run.steps if r["group"] == row["group"] and r["inc"] == row["inc"]
+             and r["i"] > row["i"] and r["loss"] is not None]
+    return after[0 if row["rec"]["join"] else 1:][:LOSS_STEPS]
+
+
+def loss_jumps(run: Run, syncs: list[dict[str, Any]], bound: float) -> list[dict[str, Any]]:
+    """Per heal after the founding sync: the healed group's first steps' training loss against the
+    other members' first steps after the same sync (the same θ_global, other batches)."""
     out = []
-    for h in heal_list:
-        t = h["t"]
-        after = [r["loss"] for r in run.steps if r["group"] == h["group"] and r["inc"] == h["inc"]
-                 and r["rel"] >= t - 0.2 and r["loss"] is not None][:LOSS_STEPS]
-        before = [r["loss"] for r in run.steps if r["group"] != h["group"] and t - LOSS_WINDOW_S <= r["rel"] < t
-                  and r["loss"] is not None]
-        if after and before:
-            jump = statistics.fmean(after) - statistics.fmean(before)
-            out.append({"t": t, "group": h["group"], "before": round(statistics.fmean(before), 4),
-                        "after": round(statistics.fmean(after), 4), "jump": round(jump, 4), "ok": jump <= bound})
+    for s in syncs:
+        for h in (r for r in s["rows"] if r["rec"]["healed"] and s["rel"] > 0):
+            after = _losses_after(run, h)
+            ref = [x for r in s["rows"] if not r["rec"]["healed"] for x in _losses_after(run, r)]
+            if after and ref:
+                jump = statistics.fmean(after) - statistics.fmean(ref)
+                out.append({"t": round(h["rel"], 2), "group": h["group"], "reference": round(statistics.fmean(ref), 4),
+                            "after": round(statistics.fmean(after), 4), "jump": round(jump, 4), "ok": jump <= bound})
     return out
 
 
@@ -256,7 +264,7 @@ def summarize(out: str | Path, loss_bound: float = 0.5) -> dict[str, Any]:
         "participation_mean": _mean([min(1.0, p["participants"] / p["live"]) for p in part if p["live"]]),
         "heals": hl, "heals_bit_exact": sum(1 for h in hl if h["bit_exact"]),
         "heals_checked": sum(1 for h in hl if h["bit_exact"] is not None),
-        "final": final_digests(run), "loss_bound": loss_bound, "loss_jumps": loss_jumps(run, hl, loss_bound),
+        "final": final_digests(run), "loss_bound": loss_bound, "loss_jumps": loss_jumps(run, syncs, loss_bound),
         "held_out": held_out(run),
     }
     summary["loss_continuous"] = all(j["ok"] for j in summary["loss_jumps"])
