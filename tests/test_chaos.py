@@ -141,7 +141,7 @@ def test_report_counts_what_the_files_say(tmp_path):
     assert [(p["participants"], p["live"]) for p in s["participation"]] == [(2, 2), (1, 1), (1, 1), (1, 1)]
     [jump] = s["loss_jumps"]  # the restart's heal (the founding sync's heals are not counted)
     assert jump["group"] == 1 and abs(jump["jump"] - 0.2) < 1e-9 and s["loss_continuous"]
-    assert s["held_out"]["mean"] == 6.0
+    assert s["held_out"]["mean"] == s["held_out"]["late_mean"] == 6.0
     assert "goodput 32.0 tokens/s" in (tmp_path / "run" / "summary.md").read_text()
 
 

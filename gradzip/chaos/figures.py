@@ -30,14 +30,18 @@ def goodput(res: dict[str, Any], path: Path) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     rows = sorted(res["runs"], key=lambda r: r["rate"])
-    for kinds, marker in ((("kill",), "o"), (None, "s")):
-        pts = [r for r in rows if r["rate"] == 0 or (tuple(r["kinds"]) == kinds) == (kinds is not None)]
-        pts = [r for r in pts if kinds is not None or r["rate"] > 0]
-        label = "measured (kills)" if kinds else "measured (kills, stalls, partitions)"
+    kills = [r for r in rows if r["rate"] == 0 or list(r["kinds"]) == ["kill"]]
+    mixed = [r for r in rows if r["rate"] > 0 and list(r["kinds"]) != ["kill"]]
+    for pts, marker, label in ((kills, "o", "measured (kills)"), (mixed, "s", "measured (kills, stalls, partitions)")):
         if pts:
             ax.plot([r["rate"] for r in pts], [r["goodput_ratio"] for r in pts], marker, label=label)
-    model = sorted({(r["rate"], r["model_goodput"]) for r in rows})
-    ax.plot([m[0] for m in model], [m[1] for m in model], "k--", label="model (gradzip simulate)")
+    model = sorted({(r["rate"], r["model_goodput_nominal"]) for r in rows})
+    ax.plot([m[0] for m in model], [m[1] for m in model], "k--", label="model at the nominal rate")
+    real = [r for r in rows if r["rate"] > 0]
+    ax.plot([r["faults_per_minute_realized"] for r in real], [r["model_goodput"] for r in real], "kx",
+            label="model at the injected rate")
+    ax.plot([r["faults_per_minute_realized"] for r in real], [r["goodput_ratio"] for r in real], "+", color="0.4",
+            label="measured, at the injected rate")
     ax.set_xlabel("faults per minute (whole run)")
     ax.set_ylabel("committed tokens/s vs fault-free")
     ax.set_ylim(0, 1.15)

@@ -331,6 +331,11 @@ class Harness:
                 self._do(action, args)
             time.sleep(POLL_S)
 
+    def _joined(self, p: Proc) -> bool:
+        """The process has committed a sync (its join): it is live, not starting or healing."""
+        assert self.timeline is not None
+        return any(r["group"] == p.group and r["inc"] == p.inc and r["rec"]["committed"] for r in self.timeline.ft)
+
     def _live(self) -> list[int]:
         return [g for g, p in self.procs.items() if p.popen.poll() is None and not p.stopped]
 
@@ -339,8 +344,8 @@ class Harness:
         if action in ("kill", "stall"):
             g = a["target"]
             p = self.procs.get(g)
-            if p is None or p.popen.poll() is not None or p.stopped:
-                self._event("skip", fault=a["fault"], kind=action, group=g, why="down or stalled")
+            if p is None or p.popen.poll() is not None or p.stopped or not self._joined(p):
+                self._event("skip", fault=a["fault"], kind=action, group=g, why="down, restarting or stalled")
             elif self._live() == [g]:
                 self._event("skip", fault=a["fault"], kind=action, group=g, why="the last live group")
             elif action == "kill":

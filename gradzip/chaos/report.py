@@ -15,13 +15,15 @@ written). The measures:
   partition: the slowest of the host's groups); a kill's restart also gives ``startup_s``, the time
   from the new process's launch to its first quorum request;
 - **heals**: every heal's digest against the digest of a group that did not heal in the same sync;
-- **final digests**: at the last sync every surviving group committed, each one's digest;
+- **final digests**: at the last sync every surviving group committed, each one's digest (a
+  group's last process counts if it had rejoined by the end);
 - **loss continuity**: per heal after the founding sync, the healed group's mean training loss
   over its first ``LOSS_STEPS`` steps after it, against the other members' first steps after the
   same sync (they start from the same θ_global); continuous when that jump is at most
   ``loss_bound``;
 - **held-out loss**: every surviving group's last held-out loss in the window (every sync's
-  held-out loss is the same on every group that committed it: θ_local = θ_global there).
+  held-out loss is the same on every group that committed it: θ_local = θ_global there), and the
+  mean over the window's last ``LATE_S`` seconds.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 LOSS_STEPS = 4
+LATE_S = 60.0
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -204,12 +207,14 @@ def final_digests(run: Run) -> dict[str, Any]:
     """At the last sync every surviving group committed: each one's digest, and whether they agree."""
     n = int(run.settings["groups"])
     end = run.duration + 1e9
-    surviving = [g for g in range(n) if run.state_at(g, end)["up"]]
     last: dict[int, dict[int, str]] = {}
-    for g in surviving:
-        inc = run.state_at(g, end)["inc"]
-        last[g] = {r["rec"]["sync"]: r["rec"]["digest"] for r in run.ft
-                   if r["group"] == g and r["inc"] == inc and r["rec"]["committed"]}
+    for g in range(n):
+        st = run.state_at(g, end)
+        syncs = {r["rec"]["sync"]: r["rec"]["digest"] for r in run.ft
+                 if r["group"] == g and r["inc"] == st["inc"] and r["rec"]["committed"]}
+        if st["up"] and syncs:  # a process that never rejoined (still starting at the end) has no digest
+            last[g] = syncs
+    surviving = sorted(last)
     common = set.intersection(*(set(v) for v in last.values())) if last else set()
     if not common:
         return {"surviving": surviving, "sync": None, "digests": {}, "equal": None}
@@ -232,13 +237,18 @@ def participation(run: Run, syncs: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def held_out(run: Run) -> dict[str, Any]:
-    """Every surviving group's last held-out loss in the window, and their mean."""
+    """Every surviving group's last held-out loss in the window and their mean, and ``late_mean``:
+    the mean of every held-out loss of the window's last ``LATE_S`` seconds (all groups), steadier
+    than one evaluation when the loss swings from sync to sync."""
     last: dict[int, float] = {}
+    late = []
     for r in run.steps:
         if r.get("eval_loss") is not None and r["rel"] <= run.duration:
             last[r["group"]] = r["eval_loss"]
+            if r["rel"] >= run.duration - LATE_S:
+                late.append(r["eval_loss"])
     return {"per_group": {str(g): v for g, v in sorted(last.items())},
-            "mean": statistics.fmean(last.values()) if last else None}
+            "mean": statistics.fmean(last.values()) if last else None, "late_mean": _mean(late)}
 
 
 def summarize(out: str | Path, loss_bound: float = 0.5) -> dict[str, Any]:
@@ -294,7 +304,8 @@ def markdown(s: dict[str, Any]) -> str:
              f"- heals bit-exact: {s['heals_bit_exact']} of {s['heals_checked']} checked ({len(s['heals'])} heals)",
              f"- final digests at sync {fin['sync']}: groups {fin['surviving']}, equal: {fin['equal']}",
              f"- loss continuous through every heal (jump <= {s['loss_bound']:g} nat): {s['loss_continuous']}",
-             f"- held-out loss (last in the window, mean over groups): {_f(s['held_out']['mean'], '.4f')}",
+             f"- held-out loss: last in the window (mean over groups) {_f(s['held_out']['mean'], '.4f')}, mean of "
+             f"the last {LATE_S:g} s {_f(s['held_out']['late_mean'], '.4f')}",
              "", "| t (s) | kind | target | recovery (s) | restart startup (s) | note |", "|---|---|---|---|---|---|"]
     for f in s["faults"]:
         lines.append(f"| {f['t']:.1f} | {f['kind']} | {f['target']} | {_f(f.get('recovery_s'))} | "

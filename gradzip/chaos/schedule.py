@@ -3,9 +3,11 @@
 Faults arrive as a Poisson process of ``rate`` faults per minute (``--faults-per-minute``) over
 the whole run (exponential inter-arrival times of mean 60 / rate seconds), from ``start`` seconds
 after the founding sync to ``duration`` seconds. Each fault draws its kind uniformly from ``kinds``
-and its target uniformly among the groups (a partition's target is a host). A group already down
-or stalled when its fault comes is skipped at run time (the harness records it), not here: the
-schedule does not depend on what the run did, so two runs with one seed inject the same faults at the same times.
+and its target uniformly among the groups (a partition's target is a host). A kill or stall whose
+group is down, restarting (its new process has not rejoined yet) or stalled when it comes is
+skipped at run time (the harness records it): faults hit live groups, at ``rate`` / ``groups`` a
+minute each, which is the goodput model's failure process. The schedule itself does not depend on
+what the run did, so two runs with one seed inject the same faults at the same times.
 
 Kinds:
 
