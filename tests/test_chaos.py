@@ -145,6 +145,25 @@ def test_report_counts_what_the_files_say(tmp_path):
     assert "goodput 32.0 tokens/s" in (tmp_path / "run" / "summary.md").read_text()
 
 
+def test_a_late_joiner_is_listed_with_its_time_to_join(tmp_path):
+    run = tmp_path / "run"
+    _write_run(run)
+    with (run / "events.jsonl").open("a") as f:  # group 2 starts 4 s after the founding sync
+        for ev in ("launch", "late"):
+            f.write(json.dumps({"t": 14.0, "event": ev, "group": 2, "inc": 0}) + "\n")
+    rec = {"step": 0, "sync": 5, "quorum_id": 1, "members": ["gradzip_group_0", "gradzip_group_2"],
+           "participants": ["gradzip_group_0"], "heals": ["gradzip_group_2"], "weights": {}, "committed": True,
+           "healed": True, "join": True, "digest": "d5", "sync_s": 1.0}
+    with (run / "timeline.jsonl").open("a") as f:
+        f.write(json.dumps({"t": 19.0, "group": 2, "inc": 0, "kind": "ft", "rec": rec}) + "\n")
+    s = report.summarize(run)
+    late = next(f for f in s["faults"] if f["kind"] == "late join")
+    got = (late["t"], late["target"], late["recovery_s"], late["startup_s"], late["healed"])
+    assert got == (4.0, 2, 5.0, 4.0, True)
+    assert s["faults_injected"] == 1  # the kill; a late join is not a fault of the rate
+    assert s["heals_bit_exact"] == s["heals_checked"] == 3
+
+
 def test_compare_divides_by_the_baseline_and_asks_the_model(tmp_path):
     from gradzip.chaos import compare
 

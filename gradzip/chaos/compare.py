@@ -91,7 +91,8 @@ def compare(runs: list[str], out: str | Path) -> dict[str, Any]:
 
     for s in sums:
         st = s["settings"]
-        realized = len(s["faults"]) * 60.0 / s["window_s"] if st["rate"] else 0.0  # skipped ones included
+        drawn = sum(1 for f in s["faults"] if f["kind"] != "late join")  # skipped ones included
+        realized = drawn * 60.0 / s["window_s"] if st["rate"] else 0.0
         model = ask(st, realized, round_s, st["recovery"] + startup)
         nominal = ask(st, st["rate"], round_s, st["recovery"] + startup)
         ratio = s["goodput_tokens_per_s"] / base_goodput

@@ -119,9 +119,13 @@ def faults(run: Run) -> list[dict[str, Any]]:
     """Every injected (or skipped) fault with its recovery time."""
     out = []
     for e in run.events:
-        if e["event"] not in ("kill", "stall", "partition", "skip"):
+        if e["event"] not in ("kill", "stall", "partition", "skip", "late"):
             continue
         f = {"t": round(e["rel"], 2), "kind": e.get("kind", e["event"]), "fault": e.get("fault")}
+        if e["event"] == "late":  # a late joiner: its launch to its first committed sync (its heal)
+            out.append({**f, "kind": "late join", "target": e["group"], "groups": [e["group"]],
+                        **_restart(run, e["group"], e["inc"]), "recovery_s": _first_commit(run, e)})
+            continue
         if e["event"] == "skip":
             out.append({**f, "skipped": e["why"], "target": e.get("group", e.get("host"))})
             continue
@@ -140,6 +144,12 @@ def faults(run: Run) -> list[dict[str, Any]]:
             f.update(_restart(run, e["group"], e["inc"] + 1))
         out.append(f)
     return out
+
+
+def _first_commit(run: Run, e: dict[str, Any]) -> float | None:
+    first = next((r for r in run.ft if r["group"] == e["group"] and r["inc"] == e["inc"] and r["rec"]["committed"]),
+                 None)
+    return None if first is None else round(first["rel"] - e["rel"], 2)
 
 
 def _back(run: Run, fault: dict[str, Any], g: int) -> dict[str, Any] | None:
@@ -267,8 +277,9 @@ def summarize(out: str | Path, loss_bound: float = 0.5) -> dict[str, Any]:
         "window_s": run.duration, "committed_syncs": len(regular), "committed_inner_steps": steps,
         "committed_tokens": steps * run.batch_tokens, "goodput_tokens_per_s": steps * run.batch_tokens / run.duration,
         "round_s": statistics.median(gaps) if gaps else None,
-        "faults": fl, "faults_injected": sum(1 for f in fl if "skipped" not in f),
-        "recovery_s_mean": _mean([f["recovery_s"] for f in fl if f.get("recovery_s") is not None]),
+        "faults": fl, "faults_injected": sum(1 for f in fl if "skipped" not in f and f["kind"] != "late join"),
+        "recovery_s_mean": _mean([f["recovery_s"] for f in fl if f.get("recovery_s") is not None
+                                  and f["kind"] != "late join"]),
         "startup_s_mean": _mean([f["startup_s"] for f in fl if f.get("startup_s") is not None]),
         "participation": part, "participation_ok": all(p["ok"] for p in part),
         "participation_mean": _mean([min(1.0, p["participants"] / p["live"]) for p in part if p["live"]]),
