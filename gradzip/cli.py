@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("gradzip.ls", "list the registered compressors"),
     "simulate": ("gradzip.cluster.simulate_cli", "predict step time of a large cluster (cost model)"),
     "netem": ("gradzip.netem.cli", "emulated hosts with shaped links (namespaces + tc)"),
+    "chaos": ("gradzip.chaos.cli", "fault-tolerant DiLoCo groups under injected faults (kills, stalls, partitions)"),
     "env": ("gradzip.env", "print versions and available backends (for bug reports)"),
 }
 # Commands that parse --sync when they run: every registered mode's spelling is loaded first

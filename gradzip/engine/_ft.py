@@ -98,21 +98,39 @@ class Group:
                 self.lighthouse.shutdown()
 
 
+def _transport_at(host: str, timeout: float) -> Any:
+    """torchft's HTTP checkpoint transport, advertising ``host`` (torchft's own advertises
+    ``socket.gethostname()``, which on a machine with several addresses may not be the one the
+    other groups reach)."""
+    from torchft.checkpointing.http_transport import HTTPTransport  # noqa: PLC0415
+
+    class _At(HTTPTransport):  # type: ignore[misc,type-arg]
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return _At(timeout=timedelta(seconds=timeout), num_chunks=0)
+
+
 def make_group(replica_id: str, lighthouse: str, min_replicas: int, load: Any, save: Any,
-               timeout: float) -> Group:
+               timeout: float, host: str | None = None) -> Group:
     """A Manager for this process as a replica group of one rank, speaking to ``lighthouse``.
-    ``load``/``save``: the state a healing peer copies (torchft's HTTP checkpoint transport)."""
+    ``load``/``save``: the state a healing peer copies (torchft's HTTP checkpoint transport).
+    ``host``: the address the other groups reach this one at (its store, Manager and checkpoint
+    server); None: this machine's loopback store and hostname (every group on one machine)."""
     ft = torchft()
     from torch.distributed import TCPStore  # noqa: PLC0415
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = host or "127.0.0.1"
+    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
     pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout))
+    where: dict[str, Any] = {} if host is None else {"hostname": host,
+                                                      "checkpoint_transport": _transport_at(host, timeout)}
     manager = ft.Manager(pg=pg, load_state_dict=load, state_dict=save, min_replica_size=min_replicas,
                          use_async_quorum=False, timeout=timedelta(seconds=timeout),
                          quorum_timeout=timedelta(seconds=max(timeout, 60.0)),
                          connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1,
-                         store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
-                         replica_id=replica_id, init_sync=True)
+                         store_addr=addr, store_port=store.port, lighthouse_addr=lighthouse,
+                         replica_id=replica_id, init_sync=True, **where)
     recorder = _Recorder(manager._client)
     manager._client = recorder  # the quorum goes through the recorder from now on
     return Group(manager, pg, store, recorder)

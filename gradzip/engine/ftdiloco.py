@@ -66,7 +66,8 @@ class FTDiLoCo(FragmentExchange):
     """Fault-tolerant DiLoCo for one replica group (module docstring). ``groups``: the run's number
     of replica groups (its founding quorum); ``group``: this one's index; ``lighthouse``: an
     address, or ``"local"`` to start one here (on ``lighthouse_port``). ``guard=False`` turns off
-    the fresh-state guard, only to show the failure it prevents. ``log``: the ``ft.jsonl`` path."""
+    the fresh-state guard, only to show the failure it prevents. ``log``: the ``ft.jsonl`` path.
+    ``host``: the address the other groups reach this one at (None: all on this machine)."""
 
     eval_on_every_rank = False
     mode = "ftdiloco"  # the --sync mode, in messages
@@ -74,7 +75,8 @@ class FTDiLoCo(FragmentExchange):
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer,
                  every: int, compressor: str = "none", *, groups: int, group: int, lighthouse: str,
                  min_replicas: int = 1, lighthouse_port: int = 29510, timeout: float = 30.0,
-                 log: str | Path | None = None, guard: bool = True, fragments: int = 1) -> None:
+                 log: str | Path | None = None, guard: bool = True, fragments: int = 1,
+                 host: str | None = None) -> None:
         if groups < 1 or not 0 <= group < groups:
             raise GradzipError(f"--sync {self.mode}: group={group} must be in [0, groups={groups})")
         if not 1 <= min_replicas <= groups:
@@ -111,7 +113,7 @@ class FTDiLoCo(FragmentExchange):
         else:
             _ft.check_lighthouse(lighthouse)
         self.ft = _ft.make_group(f"gradzip_group_{group}", lighthouse, min_replicas, self._load_peer,
-                                 self._peer_state, timeout)
+                                 self._peer_state, timeout, host=host)
         self.ft.lighthouse = server
 
     # ------------------------------------------------------------------ the library API
@@ -318,14 +320,14 @@ class FTDiLoCo(FragmentExchange):
 
 
 # The keys every fault-tolerant mode takes, after its own (ftsparseloco's: gradzip/engine/ftsparseloco.py).
-FT_KEYS = ("groups", "group", "min_replicas", "lighthouse", "lighthouse_port")
+FT_KEYS = ("groups", "group", "min_replicas", "lighthouse", "lighthouse_port", "host")
 FT_DEFAULTS = {"groups": "1", "group": "0", "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510"}
 
 
 def options(sync: SyncSpec) -> dict[str, Any]:
     """A fault-tolerant mode's own keys, typed and checked: groups, group, min_replicas,
-    lighthouse, lighthouse_port; and delay = 0. A :class:`GradzipError` (one line) for a value out
-    of range."""
+    lighthouse, lighthouse_port, host; and delay = 0. A :class:`GradzipError` (one line) for a value
+    out of range."""
     opts, mode = dict(sync.options), sync.mode
     try:
         groups, group, floor, port = (int(opts[k]) for k in ("groups", "group", "min_replicas", "lighthouse_port"))
@@ -342,7 +344,7 @@ def options(sync: SyncSpec) -> dict[str, Any]:
         raise GradzipError(f"--sync {mode}: delay={sync.delay} is not fault-tolerant: a fragment is applied at the "
                            "step it is sent, inside its quorum and commit; give delay=0")
     return {"groups": groups, "group": group, "min_replicas": floor, "lighthouse": opts["lighthouse"],
-            "lighthouse_port": port}
+            "lighthouse_port": port, "host": opts.get("host") or None}
 
 
 def check_reachable(sync: SyncSpec) -> None:
@@ -361,7 +363,8 @@ def group_kwargs(target: Any, s: SyncSettings) -> dict[str, Any]:
                            "gradzip train --backend gloo --workers 1 run, with group=I")
     o = options(s.sync)
     return {"groups": o["groups"], "group": o["group"], "lighthouse": o["lighthouse"],
-            "min_replicas": o["min_replicas"], "lighthouse_port": o["lighthouse_port"], "timeout": s.timeout or 30.0,
+            "min_replicas": o["min_replicas"], "lighthouse_port": o["lighthouse_port"], "host": o["host"],
+            "timeout": s.timeout or 30.0,
             "log": Path(s.log_dir) / "ft.jsonl" if s.log_dir else None}
 
 
@@ -375,7 +378,8 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any
 
 
 register_sync("ftdiloco", "fault-tolerant (Streaming) DiLoCo on torchft, one replica group per run (every=H,groups=N,"
-              "group=I,min_replicas=1,lighthouse=local|http://HOST:PORT,outer_lr=0.7,momentum=0.9,fragments=1)",
+              "group=I,min_replicas=1,lighthouse=local|http://HOST:PORT,host=ADDR,outer_lr=0.7,momentum=0.9,"
+              "fragments=1)",
               _build, keys=("every", "outer_lr", "momentum", "nesterov", "fragments", "delay", *FT_KEYS),
               defaults={"outer_lr": "0.7", "momentum": "0.9", "nesterov": "true", **FT_DEFAULTS},
               machine_check=check_reachable)

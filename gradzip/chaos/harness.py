@@ -1,0 +1,427 @@
+"""One chaos run: ``groups`` replica groups of ``--sync ftdiloco`` (each a ``gradzip train --backend
+gloo --workers 1`` process), a Lighthouse process that outlives them, and the faults of
+:mod:`gradzip.chaos.schedule` injected on time.
+
+Placement: with ``hosts`` > 0 the run builds (or reuses) the emulated testbed of
+:mod:`gradzip.netem` with that many hosts at ``link_rate``; group g runs inside host g mod hosts's
+namespace (``ip netns exec``), the Lighthouse in host 0's, and every group advertises its host's
+address (``host=``). With ``hosts`` = 0 everything runs on this machine over loopback (no
+partition faults then).
+
+Time: the clock starts at the *founding sync* (the first committed join sync of the founding
+groups); faults and late starts are placed from it, and the run ends ``duration`` seconds after it:
+every group gets SIGCONT, every partition is lifted, then SIGTERM (SIGKILL 10 s later).
+
+Files in ``out``: ``settings.json``; ``schedule.json`` (the faults and late starts, before the run);
+``events.jsonl`` (what was done, when: launches, kills, restarts, stalls, resumes, partitions,
+skipped faults, unexpected exits); ``timeline.jsonl`` (every line the groups append to ``ft.jsonl``
+and ``metrics.jsonl``, stamped with the time the harness read it, polled every 0.1 s); and
+``groups/gG/runK/``: the K-th process of group G (its ``--out``, ``log.txt``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from gradzip.chaos import schedule
+from gradzip.errors import GradzipError
+from gradzip.netem import testbed
+from gradzip.netem.iproute import HOST_IF, run_tool, tool
+from gradzip.netem.spec import Shaping, parse_rate
+
+POLL_S = 0.1
+FOUNDING_LIMIT_S = 300.0  # the founders must have synced once by then
+SINK = "1:30"  # the htb class whose queue holds nothing: a partitioned host's egress goes there
+PARTITION_PREF = "1"
+
+
+@dataclass
+class Settings:
+    """A chaos run's settings (``settings.json``); the defaults are the documented ones."""
+
+    out: str
+    groups: int = 4
+    hosts: int = 2
+    link_rate: str = "100mbit"
+    duration: float = 180.0
+    rate: float = 0.0  # faults per minute
+    kinds: tuple[str, ...] = ("kill", "stall", "partition")
+    seed: int = 0
+    recovery: float = 5.0
+    stall: float = 10.0
+    partition: float = 6.0
+    late: int = 0
+    late_at: float = 30.0
+    every: int = 32
+    min_replicas: int = 1
+    timeout: float = 10.0
+    heartbeat_ms: int = 3000
+    join_timeout_ms: int = 10000
+    port: int = 29510
+    prefix: str = "chaos"
+    model: str = "bert-tiny"
+    compressor: str = "topk:ratio=0.01,ef=true"
+    batch_size: int = 8
+    seq_len: int = 64
+    train_seed: int = 1
+    train_args: list[str] = field(default_factory=list)
+    python: str = sys.executable
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def faults(self) -> list[schedule.Fault]:
+        return schedule.build(self.seed, self.rate, self.duration, self.groups, max(self.hosts, 1), self.kinds,
+                              self.recovery, self.stall, self.partition)
+
+
+@dataclass
+class Proc:
+    """One process of a group (its K-th incarnation)."""
+
+    group: int
+    inc: int
+    popen: subprocess.Popen[bytes]
+    out: Path
+    log: IO[bytes]
+    stopped: bool = False
+    ended_by_us: bool = False
+
+
+class Timeline:
+    """Tails every group process's ``ft.jsonl`` and ``metrics.jsonl`` and appends each new line,
+    stamped, to ``timeline.jsonl``; keeps the ft records in memory for the harness's decisions."""
+
+    def __init__(self, path: Path, t_start: float) -> None:
+        self.f = path.open("a", encoding="utf-8")
+        self.t_start = t_start
+        self.offsets: dict[Path, int] = {}
+        self.ft: list[dict[str, Any]] = []
+
+    def poll(self, procs: list[Proc]) -> None:
+        now = time.monotonic() - self.t_start
+        for p in procs:
+            for name in ("ft.jsonl", "metrics.jsonl"):
+                for rec in self._new_lines(p.out / name):
+                    row = {"t": round(now, 3), "group": p.group, "inc": p.inc}
+                    if name == "ft.jsonl":
+                        row.update(kind="ft", rec=rec)
+                        self.ft.append(row)
+                    else:
+                        row.update(kind="step", step=rec.get("step"), loss=rec.get("loss"),
+                                   eval_loss=rec.get("eval_loss"))
+                    self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+
+    def _new_lines(self, path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        off = self.offsets.get(path, 0)
+        with path.open("rb") as f:
+            f.seek(off)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # complete lines only
+        self.offsets[path] = off + end
+        return [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class Harness:
+    """Runs one chaos run (module docstring). :meth:`run` returns the output directory."""
+
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        self.out = Path(s.out)
+        self.tb: testbed.Testbed | None = None
+        self.created = False
+        self.procs: dict[int, Proc] = {}  # each group's newest process
+        self.history: list[Proc] = []  # every process, in launch order
+        self.incs: dict[int, int] = {}
+        self.partitioned: set[int] = set()
+        self.lighthouse: subprocess.Popen[bytes] | None = None
+        self.queue: list[tuple[float, int, str, dict[str, Any]]] = []
+        self._seq = 0
+        self.t_start = time.monotonic()
+        self.t0: float | None = None  # the founding sync, in harness time
+        self.events: IO[str] | None = None
+        self.timeline: Timeline | None = None
+
+    # ------------------------------------------------------------------ setup and teardown
+    def run(self) -> Path:
+        s = self.s
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "settings.json").write_text(json.dumps(asdict(s), indent=1) + "\n")
+        faults = s.faults()
+        late = schedule.late_starts(s.groups, s.late, s.late_at)
+        (self.out / "schedule.json").write_text(json.dumps(
+            {"faults": [f.to_dict() for f in faults], "late": {str(g): t for g, t in late.items()}}, indent=1) + "\n")
+        self.events = (self.out / "events.jsonl").open("a", encoding="utf-8")
+        self.timeline = Timeline(self.out / "timeline.jsonl", self.t_start)
+        try:
+            self._testbed_up()
+            self._start_lighthouse()
+            for g in range(s.groups - s.late):
+                self._launch(g)
+            self._wait_founding()
+            for i, f in enumerate(faults):
+                self._at(f.t, f.kind, {"fault": i, "target": f.target, "duration": f.duration})
+            for g, t in late.items():
+                self._at(t, "late", {"group": g})
+            self._loop(s.duration)
+        finally:
+            self._teardown()
+        return self.out
+
+    def _testbed_up(self) -> None:
+        s = self.s
+        if s.hosts == 0:
+            return
+        self.tb, what = testbed.up(s.hosts, Shaping(parse_rate(s.link_rate)), prefix=s.prefix)
+        self.created = what == "created"
+        for h in range(s.hosts):  # the partition sink: an htb class whose bfifo holds 0 bytes
+            ns = self.tb.host_ns(h)
+            run_tool("tc", "-n", ns, "class", "replace", "dev", HOST_IF, "parent", "1:", "classid", SINK, "htb",
+                     "rate", "1mbit", "quantum", "60000")
+            run_tool("tc", "-n", ns, "qdisc", "replace", "dev", HOST_IF, "parent", SINK, "handle", "30:", "bfifo",
+                     "limit", "0")
+        self._event("testbed", prefix=s.prefix, hosts=s.hosts, rate=s.link_rate, state=what)
+
+    def _prefix(self, host: int) -> list[str]:
+        return [] if self.tb is None else [tool("ip"), "netns", "exec", self.tb.host_ns(host)]
+
+    def _addr(self, host: int) -> str:
+        return "127.0.0.1" if self.tb is None else self.tb.host_addr(host)
+
+    def _start_lighthouse(self) -> None:
+        s = self.s
+        port = s.port if self.tb is not None else 0
+        cmd = [*self._prefix(0), s.python, "-m", "gradzip.chaos.lighthouse", "--port", str(port), "--min-replicas",
+               str(s.min_replicas), "--join-timeout-ms", str(s.join_timeout_ms), "--heartbeat-timeout-ms",
+               str(s.heartbeat_ms)]
+        self.lighthouse = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self._env(),
+                                           start_new_session=True)
+        assert self.lighthouse.stdout is not None
+        line = self.lighthouse.stdout.readline().decode().strip()
+        if not line:
+            raise GradzipError(f"the Lighthouse did not start (exit code {self.lighthouse.wait()})")
+        self.lighthouse_addr = f"http://{self._addr(0)}:{line.rsplit(':', 1)[1]}"
+        self._event("lighthouse", address=self.lighthouse_addr)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn")
+        if self.tb is not None:
+            env["GLOO_SOCKET_IFNAME"] = HOST_IF
+        return env
+
+    def _teardown(self) -> None:
+        for p in self.procs.values():
+            if p.popen.poll() is None:
+                p.ended_by_us = True
+                _signal(p, signal.SIGCONT)
+                _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.history:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(p, signal.SIGKILL)
+                p.popen.wait()
+            p.log.close()
+        if self.timeline is not None:
+            self.timeline.poll(self.history)
+            self.timeline.close()
+        for h in sorted(self.partitioned):
+            self._unpartition(h)
+        if self.lighthouse is not None:
+            self.lighthouse.terminate()
+            try:
+                self.lighthouse.wait(10)
+            except subprocess.TimeoutExpired:
+                self.lighthouse.kill()
+        if self.created:
+            testbed.down(self.s.prefix)
+        if self.events is not None:
+            self._event("end")
+            self.events.close()
+
+    # ------------------------------------------------------------------ the groups
+    def _launch(self, g: int) -> Proc:
+        s = self.s
+        inc = self.incs.get(g, -1) + 1
+        self.incs[g] = inc
+        out = self.out / "groups" / f"g{g}" / f"run{inc}"
+        out.mkdir(parents=True, exist_ok=True)
+        host = g % max(s.hosts, 1)
+        founders = s.groups - s.late
+        sync = (f"ftdiloco:every={s.every},groups={founders if g < founders else s.groups},group={g},"
+                f"min_replicas={s.min_replicas},lighthouse={self.lighthouse_addr}")
+        if self.tb is not None:
+            sync += f",host={self._addr(host)}"
+        cmd = [*self._prefix(host), s.python, "-m", "gradzip", "train", "--backend", "gloo", "--workers", "1",
+               "--model", s.model, "--compressor", s.compressor, "--sync", sync, "--batch-size", str(s.batch_size),
+               "--seq-len", str(s.seq_len), "--seed", str(s.train_seed + g + 1000 * inc), "--steps", "1000000",
+               "--timeout", f"{s.timeout:g}", "--eval-every", str(s.every), "--no-progress", "--out", str(out),
+               *s.train_args]
+        log = (out.parent / f"log{inc}.txt").open("wb")
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        p = Proc(g, inc, popen, out, log)
+        self.procs[g] = p
+        self.history.append(p)
+        self._event("launch", group=g, inc=inc, host=host, pid=popen.pid)
+        return p
+
+    def _wait_founding(self) -> None:
+        assert self.timeline is not None
+        while self.t0 is None:
+            self._tick()
+            if any(r["rec"]["committed"] for r in self.timeline.ft):
+                self.t0 = self._now()
+                self._event("founding")
+            elif self._now() > FOUNDING_LIMIT_S:
+                raise GradzipError(f"the founding sync did not happen within {FOUNDING_LIMIT_S:g} s; see the "
+                                   f"groups' logs under {self.out / 'groups'}")
+            time.sleep(POLL_S)
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t_start
+
+    def _rel(self) -> float:
+        return self._now() - (self.t0 or 0.0)
+
+    def _at(self, t: float, action: str, args: dict[str, Any]) -> None:
+        self._seq += 1
+        heapq.heappush(self.queue, (t, self._seq, action, args))
+
+    def _event(self, event: str, **kw: Any) -> None:
+        assert self.events is not None
+        rel = None if self.t0 is None else round(self._rel(), 3)
+        self.events.write(json.dumps({"t": round(self._now(), 3), "rel": rel, "event": event, **kw}) + "\n")
+        self.events.flush()
+
+    def _tick(self) -> None:
+        """Read the groups' new lines; record (and restart after ``recovery``) a group that exited
+        on its own."""
+        assert self.timeline is not None
+        self.timeline.poll(self.history)
+        for p in list(self.procs.values()):
+            rc = p.popen.poll()
+            if rc is not None and not p.ended_by_us:
+                p.ended_by_us = True
+                self._event("exit", group=p.group, inc=p.inc, rc=rc)
+                if self.t0 is not None:
+                    self._at(self._rel() + self.s.recovery, "restart", {"group": p.group})
+
+    def _loop(self, duration: float) -> None:
+        while self._rel() < duration:
+            self._tick()
+            while self.queue and self.queue[0][0] <= self._rel():
+                _, _, action, args = heapq.heappop(self.queue)
+                self._do(action, args)
+            time.sleep(POLL_S)
+
+    def _joined(self, p: Proc) -> bool:
+        """The process has committed a sync (its join): it is live, not starting or healing."""
+        assert self.timeline is not None
+        return any(r["group"] == p.group and r["inc"] == p.inc and r["rec"]["committed"] for r in self.timeline.ft)
+
+    def _live(self) -> list[int]:
+        return [g for g, p in self.procs.items() if p.popen.poll() is None and not p.stopped]
+
+    def _do(self, action: str, a: dict[str, Any]) -> None:
+        """One scheduled action: a fault, or the end of one (a restart, a resume, a link back)."""
+        if action in ("kill", "stall"):
+            g = a["target"]
+            p = self.procs.get(g)
+            if p is None or p.popen.poll() is not None or p.stopped or not self._joined(p):
+                self._event("skip", fault=a["fault"], kind=action, group=g, why="down, restarting or stalled")
+            elif self._live() == [g]:
+                self._event("skip", fault=a["fault"], kind=action, group=g, why="the last live group")
+            elif action == "kill":
+                p.ended_by_us = True
+                _signal(p, signal.SIGKILL)
+                self._event("kill", fault=a["fault"], group=g, inc=p.inc)
+                self._at(self._rel() + a["duration"], "restart", {"group": g})
+            else:
+                _signal(p, signal.SIGSTOP)
+                p.stopped = True
+                self._event("stall", fault=a["fault"], group=g, inc=p.inc)
+                self._at(self._rel() + a["duration"], "resume", {"group": g})
+        elif action == "partition":
+            h = a["target"]
+            if self.tb is None or h in self.partitioned:
+                self._event("skip", fault=a["fault"], kind=action, host=h, why="no testbed or already cut off")
+            else:
+                self._partition(h)
+                self._event("partition", fault=a["fault"], host=h,
+                            groups=[g for g in self.procs if g % self.s.hosts == h])
+                self._at(self._rel() + a["duration"], "link", {"host": h})
+        elif action == "restart" or action == "late":
+            p = self._launch(a["group"])
+            self._event(action, group=p.group, inc=p.inc)
+        elif action == "resume":
+            p = self.procs[a["group"]]
+            _signal(p, signal.SIGCONT)
+            p.stopped = False
+            self._event("resume", group=p.group, inc=p.inc)
+        elif action == "link":
+            self._unpartition(a["host"])
+            self._event("link", host=a["host"])
+
+    def _partition(self, h: int) -> None:
+        assert self.tb is not None
+        run_tool("tc", "-n", self.tb.host_ns(h), "filter", "add", "dev", HOST_IF, "parent", "1:", "pref",
+                 PARTITION_PREF, "protocol", "all", "u32", "match", "u32", "0", "0", "flowid", SINK)
+        self.partitioned.add(h)
+
+    def _unpartition(self, h: int) -> None:
+        assert self.tb is not None
+        run_tool("tc", "-n", self.tb.host_ns(h), "filter", "del", "dev", HOST_IF, "parent", "1:", "pref",
+                 PARTITION_PREF, check=False)
+        self.partitioned.discard(h)
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc (ppid is the 4th field of /proc/PID/stat)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(d.name))
+    return kids
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, parents first."""
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        q = todo.pop(0)
+        out.append(q)
+        todo.extend(kids.get(q, []))
+    return out
+
+
+def _signal(p: Proc, sig: int) -> None:
+    """``sig`` to the group's process and every descendant (``gradzip train`` runs its rank as a
+    child in a session of its own, so the process group is not enough)."""
+    for pid in tree(p.popen.pid):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
