@@ -15,9 +15,14 @@ memmaps derived from it are cached in the same directory. Sources (:func:`load_c
 - ``hf:NAME[:CONFIG[:SPLIT]]``: a Hugging Face dataset (needs ``datasets`` and the network, or
   its local cache). Each record's ``text`` is a document; for wikitext, documents are articles
   (split at `` = Title = `` lines).
+- ``wordnet[:DIR]``: WordNet's glosses (:mod:`gradzip.data.wordnet`, ``apt-get install wordnet-base``).
+- ``fortunes[:DIR]`` and ``python-doc[:DIR]``: the fortunes of Debian's ``fortunes`` and the prose
+  of the Python manual from ``python3-doc``, cleaned with the default corpus's filters
+  (:mod:`gradzip.data.prose`).
 
 Cache keys: the default corpus by Python and package versions; files by path, size and mtime
-(edit a file and it is re-read); HF datasets by name, config, split and ``datasets`` version.
+(edit a file and it is re-read); ``wordnet``, ``fortunes`` and ``python-doc`` by the files they
+read; HF datasets by name, config, split and ``datasets`` version.
 Cache root: the ``cache_dir`` argument, else ``$GRADZIP_CACHE``, else ``$XDG_CACHE_HOME/gradzip``,
 else ``~/.cache/gradzip``. Entries are built in a temporary directory and renamed into place, under
 a file lock so that ranks starting together build once.
@@ -375,9 +380,9 @@ def _finish(corpus: Corpus, final: Path) -> Corpus:
 
 def load_corpus(spec: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
                 progress: bool = True) -> Corpus:
-    """The normalised, cached corpus for ``spec`` (None, a path, ``hf:NAME[:CONFIG[:SPLIT]]`` or
-    ``wordnet[:DIR]``),
-    built on first use. Bad input raises :class:`GradzipError` before anything is cached."""
+    """The normalised, cached corpus for ``spec`` (None, a path, ``hf:NAME[:CONFIG[:SPLIT]]``,
+    ``wordnet[:DIR]``, ``fortunes[:DIR]`` or ``python-doc[:DIR]``), built on first use. Bad input raises
+    :class:`GradzipError` before anything is cached."""
     root = cache_root(cache_dir)
     progress = progress_enabled(progress)
     if spec is None or str(spec) in ("", "default"):
@@ -386,6 +391,10 @@ def load_corpus(spec: str | os.PathLike | None = None, cache_dir: str | os.PathL
         return _load_hf(spec, root, progress)
     if isinstance(spec, str) and (spec == "wordnet" or spec.startswith("wordnet:")):
         return _load_wordnet(spec, root)
+    if isinstance(spec, str) and spec.split(":", 1)[0] in ("fortunes", "python-doc"):
+        from gradzip.data import prose  # it imports this module
+
+        return prose.load(spec, root)
     path = Path(spec).expanduser()
     files = corpus_files(path)
     key = _path_key(path, files)

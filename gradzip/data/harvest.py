@@ -310,6 +310,24 @@ def file_paragraphs(path: Path) -> tuple[list[str], list[str]]:
     return [p for doc in docstrings(source) for p in clean_docstring(doc)], clean_docstring(comments(source))
 
 
+class ParagraphSet:
+    """The paragraphs a corpus has taken so far, compared without case, for de-duplication."""
+
+    def __init__(self) -> None:
+        self._seen: set[bytes] = set()
+
+    def fresh(self, paragraphs: list[str]) -> list[str]:
+        """``paragraphs`` less those seen before (in this call or an earlier one), in order; the
+        rest are recorded as seen."""
+        kept = []
+        for p in paragraphs:
+            h = hashlib.blake2b(p.lower().encode(), digest_size=12).digest()
+            if h not in self._seen:
+                self._seen.add(h)
+                kept.append(p)
+        return kept
+
+
 def harvest(progress: bool = True) -> Iterator[list[str]]:
     """Yield documents (lists of prose paragraphs) of the default corpus, de-duplicated.
 
@@ -317,16 +335,7 @@ def harvest(progress: bool = True) -> Iterator[list[str]]:
     so no fork), and spawning re-runs the caller's ``__main__``, which breaks scripts without a
     main guard, notebooks and stdin. The build is ~30 s of CPU once per environment."""
     files = [f for _, root in source_roots() for f in source_files(root)]
-    seen: set[bytes] = set()
-
-    def fresh(paragraphs: list[str]) -> list[str]:
-        kept = []
-        for p in paragraphs:
-            h = hashlib.blake2b(p.lower().encode(), digest_size=12).digest()
-            if h not in seen:
-                seen.add(h)
-                kept.append(p)
-        return kept
+    fresh = ParagraphSet().fresh
 
     bar = progress_bar(map(file_paragraphs, files), total=len(files), desc="harvesting docs for the default corpus",
                        unit="file", disable=not progress, mininterval=0.5)
