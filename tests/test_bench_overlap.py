@@ -4,6 +4,8 @@ nothing written. The measurement itself needs root and minutes; docs/reproductio
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gradzip.bench.overlap import cells, measure_rounds, sync_spec
@@ -46,6 +48,7 @@ def test_cells_take_compute_and_exchange_from_the_plain_runs_and_judge_the_overl
     assert cell["wall_no_overlap_s"] == 2.5 and cell["wall_overlap_s"] == 1.25
     assert cell["compute_overlap_s"] == 1.5 and cell["wait_overlap_s"] == 0.25 and cell["step_compute_s"] == 0.75
     assert cell["ratio"] == pytest.approx(1.25 / 1.5) and cell["target_met"] and cell["repeats"] == 3
+    assert cell["ratio_own"] == pytest.approx(1.25 / 1.5)  # against the overlapped runs' own compute
     runs[1]["rounds"] = runs[3]["rounds"] = runs[5]["rounds"] = [{"wall_s": 1.75, "compute_s": 1.5, "comm_s": 0.0,
                                                                   "step_compute_s": 1.0}]
     assert not cells(runs)[0]["target_met"]  # 1.75 > 1.1 × 1.5
@@ -75,3 +78,22 @@ def test_without_root_it_refuses_in_one_line(capsys, tmp_path, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs root" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_from_json_recomputes_the_cells_and_the_figure_without_the_testbed(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(testbed, "_effective_caps", lambda: 0)  # no root needed
+    runs = [{"sync": "diloco", "every": 2, "overlap": ov, "repeat": 0, "rounds": measure_rounds(
+        _rows(every=2, rounds=3, step_s=0.25, comm_s=0.0 if ov else 0.75, extra_s=0.0), every=2, warmup=1)}
+        for ov in (False, True)]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"netem": "2:100mbit", "runs": runs, "cells": []}))
+    assert main(["bench", "overlap", "--from-json", str(path)]) == 0
+    (cell,) = json.loads(path.read_text())["cells"]
+    assert cell["compute_s"] == 0.5 and cell["exchange_s"] == 0.75 and cell["wall_overlap_s"] == 0.5
+    assert cell["ratio"] == pytest.approx(0.5 / 0.75) and cell["ratio_own"] == pytest.approx(0.5 / 0.75)
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["bench", "overlap", "--from-json", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a JSON that `gradzip bench overlap` wrote" in err, err

@@ -23,9 +23,12 @@ rank 0's ``metrics.jsonl``:
 A run's value is the median over its rounds; a cell's, the median over the repeats. Each ``MODE``
 and H gets: ``compute_s`` and ``exchange_s`` from the runs without the overlap, ``bound_s`` =
 max(compute, exchange) and ``sum_s`` = compute + exchange, the two walls, and ``ratio`` = the
-overlapped wall / bound (target: <= 1.1, within 10 % of max(compute, exchange)). Written:
+overlapped wall / bound (target: <= 1.1, within 10 % of max(compute, exchange)). On a machine
+whose load changes between runs, ``ratio_own`` judges the overlapped runs against their own
+compute: their wall / max(``compute_overlap_s``, exchange). Written:
 ``--json`` (every run's rounds, and the cells) and ``--figure`` (PNG: wall time per round against
-H, with and without the overlap, and both references).
+H, with and without the overlap, and both references). ``--from-json FILE`` runs nothing: it
+recomputes the cells, the table and the figure from the runs an earlier JSON holds.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the figure (default: OUT/overlap_testbed.png)")
     parser.add_argument("--prefix", default="gzbench", help="testbed prefix (default: gzbench)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run (default: 600)")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="run nothing: recompute the cells, the table and the figure from the runs in an "
+                             "earlier run's JSON, and rewrite it (no testbed, no root)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -131,6 +137,7 @@ def cells(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "wall_overlap_s": wall, "compute_overlap_s": _median(over, "compute_s"),
                      "step_compute_s": _median(plain, "step_compute_s"),
                      "wait_overlap_s": _median(over, "comm_s"), "ratio": wall / bound,
+                     "ratio_own": wall / max(_median(over, "compute_s"), exchange),
                      "target_met": wall <= TARGET * bound, "repeats": min(len(plain), len(over))})
     return rows
 
@@ -169,6 +176,7 @@ def figure(rows: list[dict[str, Any]], path: Path, netem: str) -> None:
         ax.plot(h, bound, "k--", label="max(compute, exchange)")
         ax.plot(h, [r["wall_no_overlap_s"] for r in mine], "o-", label="wall, no overlap")
         ax.plot(h, [r["wall_overlap_s"] for r in mine], "s-", label="wall, overlap=1")
+        ax.plot(h, [r["compute_overlap_s"] for r in mine], "x", color="0.4", label="compute, overlap=1 runs")
         ax.set_xticks(h)
         ax.set_xlabel("H (inner steps per round)")
         ax.set_ylabel("seconds per round")
@@ -185,14 +193,34 @@ def figure(rows: list[dict[str, Any]], path: Path, netem: str) -> None:
 
 def _print(rows: list[dict[str, Any]]) -> None:
     print(f"{'sync':<12} {'H':>3} {'compute':>8} {'exchange':>8} {'max':>7} {'sum':>7} {'wall':>7} "
-          f"{'wall ovl':>8} {'ovl/max':>7}  target")
+          f"{'wall ovl':>8} {'ovl/max':>7} {'own':>5}  target")
     for r in rows:
         print(f"{r['sync']:<12} {r['every']:>3} {r['compute_s']:>8.3f} {r['exchange_s']:>8.3f} {r['bound_s']:>7.3f} "
-              f"{r['sum_s']:>7.3f} {r['wall_no_overlap_s']:>7.3f} {r['wall_overlap_s']:>8.3f} {r['ratio']:>7.2f}  "
+              f"{r['sum_s']:>7.3f} {r['wall_no_overlap_s']:>7.3f} {r['wall_overlap_s']:>8.3f} {r['ratio']:>7.2f} "
+              f"{r['ratio_own']:>5.2f}  "
               f"{'met' if r['target_met'] else 'missed'}")
 
 
+def _again(args: argparse.Namespace) -> int:
+    """``--from-json``: the cells, table and figure again from the runs that FILE holds."""
+    path = Path(args.from_json)
+    if args.figure is not None and not args.figure.endswith(".png"):
+        raise GradzipError(f"--figure must name a .png file, got {args.figure!r}")
+    try:
+        result = json.loads(path.read_text())
+        result["cells"] = cells(result["runs"])
+    except (OSError, ValueError, KeyError, TypeError, statistics.StatisticsError) as e:
+        raise GradzipError(f"--from-json {args.from_json!r}: not a JSON that `gradzip bench overlap` wrote "
+                           f"({type(e).__name__}: {e})") from None
+    atomic_write_json(Path(args.json) if args.json else path, result)
+    figure(result["cells"], Path(args.figure) if args.figure else path.with_suffix(".png"), result["netem"])
+    _print(result["cells"])
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.from_json is not None:
+        return _again(args)
     _check(args)
     testbed.check_privileges()  # not root: one line, exit 2
     out = Path(args.out)
