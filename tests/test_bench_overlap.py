@@ -49,6 +49,7 @@ def test_cells_take_compute_and_exchange_from_the_plain_runs_and_judge_the_overl
     assert cell["compute_overlap_s"] == 1.5 and cell["wait_overlap_s"] == 0.25 and cell["step_compute_s"] == 0.75
     assert cell["ratio"] == pytest.approx(1.25 / 1.5) and cell["target_met"] and cell["repeats"] == 3
     assert cell["ratio_own"] == pytest.approx(1.25 / 1.5)  # against the overlapped runs' own compute
+    assert cell["loop_no_overlap_s"] == 0.75 and cell["loop_overlap_s"] == 0.75  # compute − step compute
     runs[1]["rounds"] = runs[3]["rounds"] = runs[5]["rounds"] = [{"wall_s": 1.75, "compute_s": 1.5, "comm_s": 0.0,
                                                                   "step_compute_s": 1.0}]
     assert not cells(runs)[0]["target_met"]  # 1.75 > 1.1 × 1.5

@@ -18,7 +18,9 @@ rank 0's ``metrics.jsonl``:
   per-step reduction of the metrics paces rank 0 to the slower rank, so this is the round's
   compute on both ranks, as the exchange sees it;
 - ``step_compute_s``: rank 0's own part of it, the sum over the H steps of ``step_s − comm_s``
-  (forward, backward, inner steps, the sync's encode/decode and outer step).
+  (forward, backward, inner steps, the sync's encode/decode and outer step); the rest
+  (``loop_*_s`` in the cells) is the loop's own time, where a reduction of the metrics that
+  queued behind the exchange in flight would show.
 
 A run's value is the median over its rounds; a cell's, the median over the repeats. Each ``MODE``
 and H gets: ``compute_s`` and ``exchange_s`` from the runs without the overlap, ``bound_s`` =
@@ -121,7 +123,11 @@ def measure_rounds(rows: list[dict[str, Any]], every: int, warmup: int) -> list[
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(statistics.median(r[key] for r in run["rounds"]) for run in runs)
+    """Median over the runs of each run's median over its rounds; ``loop_s``: compute − step compute."""
+    def value(r: dict[str, Any]) -> float:
+        return r["compute_s"] - r["step_compute_s"] if key == "loop_s" else r[key]
+
+    return statistics.median(statistics.median(value(r) for r in run["rounds"]) for run in runs)
 
 
 def cells(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,6 +142,7 @@ def cells(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "bound_s": bound, "sum_s": compute + exchange, "wall_no_overlap_s": _median(plain, "wall_s"),
                      "wall_overlap_s": wall, "compute_overlap_s": _median(over, "compute_s"),
                      "step_compute_s": _median(plain, "step_compute_s"),
+                     "loop_no_overlap_s": _median(plain, "loop_s"), "loop_overlap_s": _median(over, "loop_s"),
                      "wait_overlap_s": _median(over, "comm_s"), "ratio": wall / bound,
                      "ratio_own": wall / max(_median(over, "compute_s"), exchange),
                      "target_met": wall <= TARGET * bound, "repeats": min(len(plain), len(over))})
