@@ -206,7 +206,7 @@ class TorchCommunicator(RealCommunicator):
                     setter(timedelta(seconds=self._timeout), g)
                 except Exception:  # our own wait() timeout still applies
                     pass
-        if getattr(self, "_control", None) is not None:  # the control channel keeps its communicator's
+        if getattr(self, "_control", None) is not None:  # the control channel follows this one's timeout
             self._control.timeout = self._timeout
 
     # -- helpers ------------------------------------------------------------------------
