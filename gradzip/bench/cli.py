@@ -1,4 +1,4 @@
-"""``gradzip bench {compress,engine,train,sync,fsdp}``: each benchmark is a module of this package that
+"""``gradzip bench {compress,engine,train,sync,overlap,fsdp}``: each benchmark is a module of this package that
 provides ``add_arguments(parser)`` and ``run(args) -> int``."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ BENCHMARKS = {
     "engine": ("gradzip.bench.engine", "engine overhead and overlap vs torch DDP (multi-process Gloo)"),
     "train": ("gradzip.bench.train", "tokens/s of BERT models on this machine"),
     "sync": ("gradzip.bench.sync", "local work of one DiLoCo sync vs memcpy, and its memory"),
+    "overlap": ("gradzip.bench.overlap", "wall time per round of rare syncs with and without overlap=1, on the "
+                "network testbed (root)"),
     "fsdp": ("gradzip.bench.fsdp", "fsdp_compress vs plain FSDP2: step time and bytes (multi-process Gloo)"),
 }
 

@@ -1,7 +1,8 @@
 """The process groups of the ``torch`` backend: the rendezvous of the default group
 (:func:`init_process_group`, with Gloo bound to the interface of ``GRADZIP_BIND_ADDR``), the groups
-that only their members create (:func:`member_group`, for splits of a sub-communicator), and what
-counts as a timeout in torch.distributed's errors."""
+of a split or a control channel (:func:`split_groups`), those that only their members create
+(:func:`member_group`, for splits of a sub-communicator), and what counts as a timeout in
+torch.distributed's errors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,35 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradzip.comm.base import split_order
 from gradzip.errors import CommError, CommTimeout, GradzipError
+
+
+def split_groups(group, backend: str, members: list[int], perm: list[int] | None, device, every: bool,
+                 colours: list[int], keys: list[int], colour: int, instance: str, timeout: timedelta) -> tuple:
+    """(data group, Gloo side group) of ``colour`` for a split of the communicator over ``group``
+    (``backend``; ``members[r]``: the global rank of its rank ``r``; ``perm``: their ranks in torch's
+    group, None: the same). ``every``: every process of the job is a member, so torch's public
+    ``new_group`` serves, entered for every colour in sorted order on every process (as torch
+    requires); else the groups are made by their members alone, under names derived from
+    ``instance`` (Gloo), or with ``split_group`` from ``group`` (NCCL)."""
+    orders = {c: split_order(colours, keys, c) for c in sorted(set(colours))}
+    if every:
+        extra = {"device_id": device} if backend == "nccl" else {}
+        mine = None
+        for c, order in orders.items():
+            ranks = sorted(members[i] for i in order)
+            groups = (dist.new_group(ranks, timeout=timeout, backend=backend, **extra),
+                      dist.new_group(ranks, timeout=timeout, backend="gloo"))
+            mine = groups if c == colour else mine
+        return mine
+    ranks = sorted(members[i] for i in orders[colour])
+    side = member_group(ranks, "gloo", f"gradzip/{instance}/side", timeout)
+    if backend != "nccl":
+        return member_group(ranks, backend, f"gradzip/{instance}/data", timeout), side
+    torch_rank = perm or list(range(len(members)))  # split_group takes the parent's torch ranks
+    split = [[torch_rank[i] for i in order] for order in orders.values()]
+    return dist.split_group(group, split, timeout=timeout), side
 
 
 def member_group(ranks: list[int], backend: str, name: str, timeout: timedelta):

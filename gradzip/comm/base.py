@@ -33,6 +33,13 @@ Contract (every backend):
   so a rank's totals cover all its traffic. Create sub-communicators at set-up, in the same order
   on every rank.
 - ``barrier()``.
+- ``control()``: a communicator over the same ranks, in the same order, for small bookkeeping
+  collectives (per-step metrics, votes) on a channel of its own, so that they never queue behind
+  this communicator's data collectives in flight (an outer sync's exchange that runs through the
+  next inner steps). The first call is collective (make it at set-up, on every rank); later calls
+  return the same object. It has the same backend, timeout and ``stats`` (a rank's totals cover
+  all its traffic), its own collective numbering, and its parent's ``close()`` closes it. A
+  backend whose collectives cannot queue behind one another (``sim``) returns itself.
 - The synchronous forms are ``op_async(...).wait()``.
 - A communicator whose ranks share one node has ``intra = True`` (``sim``: from ``ranks_per_node``;
   real backends: the node communicator of :func:`gradzip.comm.topology.topology`); its bytes are
@@ -172,6 +179,11 @@ class Communicator(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    def control(self) -> Communicator:
+        """The control channel (see the contract). Here: this communicator itself, for backends
+        whose collectives never wait behind an earlier one in flight."""
+        return self
 
     def close(self) -> None:
         """Release resources. Idempotent."""

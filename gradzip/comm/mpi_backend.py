@@ -41,6 +41,8 @@ Data path:
   parent's ``stats`` and timeout. Its errors name **global** ranks (``MPI_COMM_WORLD``'s:
   "global rank(s) [3] not responding"). The parent's ``close()`` closes its children first; a
   child's ``close()`` is idempotent and frees only its own communicators.
+- control: a child made the same way from a ``Dup()`` of this communicator, without a split (see
+  :meth:`MPICommunicator.control`).
 
 Open MPI progresses nonblocking collectives only inside MPI calls, so a progress thread calls
 ``MPI_Improbe`` every millisecond while collectives are in flight (every 20 ms otherwise); that is
@@ -107,8 +109,9 @@ class MPICommunicator(RealCommunicator):
         MPI = self.MPI = import_mpi()
         base = comm if comm is not None else MPI.COMM_WORLD
         super().__init__(base.Get_rank(), base.Get_size(), timeout)
-        self._children: list[MPICommunicator] = []  # from split(); closed by our close()
+        self._children: list[MPICommunicator] = []  # from split() and control(); closed by our close()
         self._parent: MPICommunicator | None = None
+        self._control: MPICommunicator | None = None  # control(), once made
         # MPI_COMM_WORLD's rank of each of our ranks, for messages (None: ours are those).
         world = MPI.COMM_WORLD.Get_group()
         group = base.Get_group()
@@ -422,6 +425,20 @@ class MPICommunicator(RealCommunicator):
         self._children.append(child)
         self._record_split(t0)
         return child
+
+    def control(self) -> MPICommunicator:
+        """The control channel (see the contract): an ``MPICommunicator`` over duplicates of this
+        one's communicator (``MPI_Comm_dup``: a context of its own, so its collectives never match or
+        wait behind this one's), with the same ranks, timeout and ``stats`` and its own progress
+        thread; no collective of this one is numbered for it. Collective on its first call."""
+        if self._control is None:
+            child = type(self)(self._meta, self.timeout, diagnose_s=self.diagnose_s,
+                               progress_thread=self._thread is not None)
+            child.stats, child._parent = self.stats, self
+            self._children.append(child)
+            self._control = child
+        self._control.timeout = self.timeout  # it follows this one's timeout
+        return self._control
 
     def close(self) -> None:
         """Close the sub-communicators, stop the progress thread and free the communicators (not

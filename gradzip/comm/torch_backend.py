@@ -33,18 +33,17 @@ How each collective maps onto torch.distributed (all ``async_op=True``; ``wait()
   dtype are not exchanged: every rank must pass the same (the contract). A tensor without
   elements, or a world of one, is copied locally.
 - split: an int64 allgather of ``(collective number, colour, key)`` on the side group, then one
-  data group and one Gloo side group per colour. For a split of the top-level communicator every
-  process of the job is present, so it uses torch's public ``new_group`` for every colour in sorted
-  order on every process (as torch requires). A split of a sub-communicator only has that
-  sub-group's processes, which ``new_group`` cannot serve (it must be entered by every process of
-  the job); it creates the groups through torch's internal group helper under a name that every
-  member derives alike (Gloo), or with ``split_group`` from the parent (NCCL, needs a device bound
-  to the default group, as ``init_communicator`` does). torch orders a group's ranks by global
-  rank; where the ``(key, rank)`` order differs, allgather results, broadcast roots and alltoall
-  chunks are mapped between the two orders (zero-copy: alltoall then uses ``all_to_all`` on chunk
-  views). A sub-communicator records into its parent's ``stats``, has its own heartbeat and
-  collective numbering, and is closed (idempotent) by its parent's ``close()``; closing it
-  destroys only its own two groups.
+  data group and one Gloo side group per colour (:func:`~gradzip.comm._torch_groups.split_groups`:
+  torch's ``new_group`` where every process of the job is a member, else groups that only the
+  members create, or NCCL's ``split_group``). torch orders a group's ranks by global rank; where
+  the ``(key, rank)`` order differs, allgather results, broadcast roots and alltoall chunks are
+  mapped between the two orders (zero-copy: alltoall then uses ``all_to_all`` on chunk views). A
+  sub-communicator records into its parent's ``stats``, has its own heartbeat and collective
+  numbering, and is closed (idempotent) by its parent's ``close()``; closing it destroys only its
+  own two groups.
+- control: a sub-communicator of the same members made the same way (no collective of the parent,
+  so its numbering is untouched), whose Gloo/NCCL groups have their own queues and connections;
+  it follows its parent's timeout, and its errors name the parent's rank ("rank 1, control channel").
 
 Bytes are accounted with :mod:`gradzip.comm.cost` (padding and headers are not counted, as in ``sim``;
 a split counts as ``sim`` counts it: op ``"split"``, an allgather of 16 bytes per rank); seconds are
@@ -94,7 +93,7 @@ from gradzip.comm._common import (
     raise_mismatch,
 )
 from gradzip.comm._heartbeat import Heartbeat
-from gradzip.comm._torch_groups import init_process_group, is_timeout, member_group
+from gradzip.comm._torch_groups import init_process_group, is_timeout, member_group, split_groups
 from gradzip.comm.base import DEFAULT_TIMEOUT_S, Handle, ReduceOp, check_alltoall, nbytes, split_order
 from gradzip.errors import CommError, CommTimeout, GradzipError
 
@@ -164,6 +163,8 @@ class TorchCommunicator(RealCommunicator):
         self._children: list[TorchCommunicator] = []
         self._splits = 0
         self._named_global = False  # errors name global ranks (sub-communicators, adopted groups)
+        self._control: TorchCommunicator | None = None  # control(), once made
+        self._control_of: TorchCommunicator | None = None  # on a control channel: its communicator
 
     def _start(self, group, side, members: list[int], perm: list[int] | None, instance: str, timeout: float,
                device: torch.device | None, heartbeat_s: float, diagnose_s: float) -> None:
@@ -205,10 +206,14 @@ class TorchCommunicator(RealCommunicator):
                     setter(timedelta(seconds=self._timeout), g)
                 except Exception:  # our own wait() timeout still applies
                     pass
+        if getattr(self, "_control", None) is not None:  # the control channel follows this one's timeout
+            self._control.timeout = self._timeout
 
     # -- helpers ------------------------------------------------------------------------
     def _where(self) -> str:
         """This rank, for messages: sub-communicators name the global rank first."""
+        if self._control_of is not None:
+            return f"{self._control_of._where()}, control channel"
         if self._parent is None and not self._named_global:
             return f"rank {self.rank}"
         what = "sub-communicator" if self._parent is not None else "process group"
@@ -257,6 +262,10 @@ class TorchCommunicator(RealCommunicator):
     def _check(self, t: Tensor) -> None:
         if self.dist_backend == "nccl" and not t.is_cuda:
             raise ValueError(f"NCCL communicator needs CUDA tensors, got one on {t.device}")
+
+    def _groups(self, colours: list[int], keys: list[int], colour: int, instance: str, every: bool) -> tuple:
+        return split_groups(self.group, self.dist_backend, self._members, self._perm, self.device, every,
+                            colours, keys, colour, instance, timedelta(seconds=self.timeout))
 
     def _gather_rows(self, desc: str, seq: int, row: Tensor) -> Tensor:
         """Blocking int64 allgather of one row per rank on the side group, in this communicator's
@@ -422,42 +431,40 @@ class TorchCommunicator(RealCommunicator):
         instance = f"{self._instance}.{self._splits}.{colour}"
         self._splits += 1
         try:
-            group, side = self._new_groups(colours, keys, colour, instance)
+            group, side = self._groups(colours, keys, colour, instance, self._parent is None)
         except RuntimeError as e:  # DistError and Gloo's connect errors; bad arguments pass through
             self._fail(desc, seq, e, is_timeout(e))
         members = [self._members[i] for i in split_order(colours, keys, colour)]
         torch_order = dist.get_process_group_ranks(group)
         perm = [torch_order.index(g) for g in members]
-        child = type(self).__new__(type(self))
-        child._blank()
-        child._parent, child._root = self, self._root
-        child._start(group, side, members, None if perm == sorted(perm) else perm, instance, self.timeout,
-                     self.device, self._heartbeat_s, self.diagnose_s)
-        child.stats = self.stats  # a rank's totals cover all its traffic
-        self._children.append(child)
+        child = self._child(group, side, members, None if perm == sorted(perm) else perm, instance)
         self._record_split(t0)
         return child
 
-    def _new_groups(self, colours: list[int], keys: list[int], colour: int, instance: str) -> tuple:
-        """(data group, Gloo side group) of this rank's colour (see the module docstring)."""
-        td = timedelta(seconds=self.timeout)
-        orders = {c: split_order(colours, keys, c) for c in sorted(set(colours))}
-        if self._parent is None:  # every process of the job is here: every one creates every group, in order
-            extra = {"device_id": self.device} if self.dist_backend == "nccl" else {}
-            mine = None
-            for c, order in orders.items():
-                ranks = sorted(self._members[i] for i in order)
-                groups = (dist.new_group(ranks, timeout=td, backend=self.dist_backend, **extra),
-                          dist.new_group(ranks, timeout=td, backend="gloo"))
-                mine = groups if c == colour else mine
-            return mine
-        ranks = sorted(self._members[i] for i in orders[colour])
-        side = member_group(ranks, "gloo", f"gradzip/{instance}/side", td)
-        if self.dist_backend != "nccl":
-            return member_group(ranks, self.dist_backend, f"gradzip/{instance}/data", td), side
-        torch_rank = self._perm or list(range(self.world_size))  # split_group takes the parent's torch ranks
-        split = [[torch_rank[i] for i in order] for order in orders.values()]
-        return dist.split_group(self.group, split, timeout=td), side
+    def _child(self, group, side, members: list[int], perm: list[int] | None, instance: str) -> TorchCommunicator:
+        """A sub-communicator over ``group``/``side``: this one's timeout, device and ``stats`` (a rank's totals)."""
+        child = type(self).__new__(type(self))
+        child._blank()
+        child._parent, child._root = self, self._root
+        child._start(group, side, members, perm, instance, self.timeout, self.device, self._heartbeat_s,
+                     self.diagnose_s)
+        child.stats = self.stats
+        self._children.append(child)
+        return child
+
+    def control(self) -> TorchCommunicator:
+        """The control channel (see the contract and the module docstring); collective on its first call."""
+        if self._control is not None:
+            return self._control
+        n, instance = self.world_size, f"{self._instance}.control"
+        try:
+            group, side = self._groups([0] * n, list(range(n)), 0, instance,
+                                       self._parent is None and n == dist.get_world_size())
+        except RuntimeError as e:  # DistError and Gloo's connect errors
+            self._fail("control channel set-up", -1, e, is_timeout(e))
+        self._control = self._child(group, side, self._members, self._perm, instance)
+        self._control._control_of = self
+        return self._control
 
     def close(self) -> None:
         """Stop the heartbeat and, if no collective failed, destroy the groups this communicator

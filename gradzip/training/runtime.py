@@ -61,19 +61,28 @@ class Runtime:
         """What :func:`gradzip.engine.attach` takes: the SimWorld, or this rank's communicator."""
         return self.world if self.world is not None else self.comm
 
+    @property
+    def control(self) -> Any:
+        """Real backends: the communicator's control channel (:meth:`gradzip.comm.base.Communicator.
+        control`, made in :func:`create_runtime`), which the loop's own collectives below use, so that
+        they never queue behind an exchange in flight (an overlapped outer sync's); None for sim."""
+        if self.comm is None or self.comm.world_size == 1:
+            return self.comm
+        return self.comm.control()
+
     def barrier(self) -> None:
         if self.comm is not None:
-            with uncounted(self.comm):
-                self.comm.barrier()
+            with uncounted(self.control):
+                self.control.barrier()
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
-        """Sum of ``values`` over real ranks (identity for sim). Not counted in the byte stats:
-        logging is not part of the measured exchange."""
+        """Sum of ``values`` over real ranks (identity for sim), on the control channel. Not counted
+        in the byte stats: logging is not part of the measured exchange."""
         if self.comm is None or self.comm.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        with uncounted(self.comm):
-            self.comm.allreduce(t, "sum")
+        with uncounted(self.control):
+            self.control.allreduce(t, "sum")
         return t.tolist()
 
     def broadcast_str(self, text: str | None) -> str:
@@ -84,8 +93,8 @@ class Runtime:
         if self.rank == 0:
             raw = (text or "").encode()[:1024]
             buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        with uncounted(self.comm):
-            self.comm.broadcast(buf, 0)
+        with uncounted(self.control):
+            self.control.broadcast(buf, 0)
         return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
 
     def close(self) -> None:
@@ -194,6 +203,8 @@ def _create_runtime(cfg: TrainConfig) -> Runtime:
                          intra_latency=cfg.intra_latency)
         return Runtime(device=torch.device(cfg.resolved_device), rank=0, num_workers=cfg.workers, world=world)
     comm = init_communicator(cfg.backend, timeout=cfg.timeout)
+    if comm.world_size > 1:
+        comm.control()  # collective: made here, at start-up, on every rank
     if cfg.ranks_per_node and not os.environ.get("GRADZIP_NODE"):
         # Emulated nodes (local processes, testbed hosts): ranks r // ranks_per_node share one.
         os.environ["GRADZIP_NODE"] = str(comm.rank // cfg.ranks_per_node)
