@@ -20,6 +20,7 @@ Examples:
   gradzip chaos run --groups 4 --hosts 2 --rate 100mbit --faults-per-minute 1 --seed 1 --out runs/chaos-f1
   gradzip chaos run --hosts 0 --groups 2 --faults-per-minute 0 --duration 60 --out runs/chaos-local
   gradzip chaos compare runs/chaos-f0 runs/chaos-f1 runs/chaos-f4 --out runs/chaos-figures
+  gradzip chaos control-plane runs/cp-off runs/cp-on --out runs/cp
 """
 
 
@@ -60,7 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seq-len", type=int, default=64)
     a("--train-seed", type=int, default=1, help="group g's --seed is this + g (+ 1000 per restart)")
     a("--train-args", default="", help="more gradzip train flags, one string (e.g. \"--lr 2e-3 --eval-batches 4\")")
+    a("--control-priority", choices=("on", "off"), default="on", help="on: traffic to/from the Lighthouse's "
+      "port is served before the exchange on every host's egress, as a deployment's traffic class would (default "
+      "on; off: one queue, to measure the difference)")
+    a("--probe-control", action="store_true", help="time a request to the Lighthouse from the last host every "
+      "0.1 s, with the hosts' queued bytes and the heartbeats' ages (control_probe.jsonl; needs --hosts >= 2)")
     a("--loss-bound", type=float, default=0.5, help="a heal's loss jump above this (nat) is a discontinuity")
+    cp = sub.add_parser("control-plane", help="control-plane latency of --probe-control runs, idle and during "
+                        "exchanges (control_plane.json, .md)")
+    cp.add_argument("runs", nargs="+", help="chaos run directories made with --probe-control")
+    cp.add_argument("--out", required=True, help="directory for control_plane.json and control_plane.md")
     c = sub.add_parser("compare", help="runs against their fault-free ones: goodput (measured, modelled), figures")
     c.add_argument("runs", nargs="+", help="chaos run directories (those at 0 faults/min are the baseline)")
     c.add_argument("--out", required=True, help="directory for compare.json, compare.md and the figures")
@@ -84,6 +94,8 @@ def settings(args: argparse.Namespace) -> Any:
             raise GradzipError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name):g}")
     if args.every < 1:
         raise GradzipError(f"--every must be >= 1, got {args.every}")
+    if args.probe_control and args.hosts < 2:
+        raise GradzipError(f"--probe-control times the link between hosts: give --hosts >= 2, got {args.hosts}")
     kinds = schedule.parse_kinds(args.kinds)
     if "partition" in kinds and args.hosts == 0 and args.faults_per_minute > 0:
         raise GradzipError("--kinds partition needs the emulated testbed: give --hosts >= 1 (root), or leave "
@@ -100,7 +112,8 @@ def settings(args: argparse.Namespace) -> Any:
                          timeout=args.timeout, heartbeat_ms=args.heartbeat_ms, join_timeout_ms=args.join_timeout_ms,
                          port=args.port, prefix=args.prefix, model=args.model, compressor=args.compressor,
                          batch_size=args.batch_size, seq_len=args.seq_len, train_seed=args.train_seed,
-                         train_args=shlex.split(args.train_args))
+                         train_args=shlex.split(args.train_args), control_priority=args.control_priority == "on",
+                         probe_control=args.probe_control)
     s.faults()  # the rate, checked
     return s
 
@@ -133,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
 
             res = compare.compare(args.runs, args.out)
             print(compare.table(res))
+            return 0
+        if args.chaos_cmd == "control-plane":
+            from gradzip.chaos import control  # noqa: PLC0415
+
+            print(control.table(control.report(args.runs, args.out)["runs"]))
             return 0
         s = settings(args)
         _check_machine(s)

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from gradzip.chaos import schedule
+from gradzip.chaos import control, schedule
 from gradzip.errors import GradzipError
-from gradzip.netem import testbed
+from gradzip.netem import shaping, testbed
 from gradzip.netem.iproute import HOST_IF, run_tool, tool
 from gradzip.netem.spec import Shaping, parse_rate
 
@@ -74,6 +74,8 @@ class Settings:
     seq_len: int = 64
     train_seed: int = 1
     train_args: list[str] = field(default_factory=list)
+    control_priority: bool = True  # the Lighthouse's port in each host's priority class (shaping.prioritize_ports)
+    probe_control: bool = False  # time the control plane from the last host (gradzip.chaos.control)
     python: str = sys.executable
 
     @property
@@ -151,6 +153,7 @@ class Harness:
         self.incs: dict[int, int] = {}
         self.partitioned: set[int] = set()
         self.lighthouse: subprocess.Popen[bytes] | None = None
+        self.probe: subprocess.Popen[bytes] | None = None
         self.queue: list[tuple[float, int, str, dict[str, Any]]] = []
         self._seq = 0
         self.t_start = time.monotonic()
@@ -172,6 +175,7 @@ class Harness:
         try:
             self._testbed_up()
             self._start_lighthouse()
+            self._start_probe()
             for g in range(s.groups - s.late):
                 self._launch(g)
             self._wait_founding()
@@ -196,7 +200,10 @@ class Harness:
                      "rate", "1mbit", "quantum", "60000")
             run_tool("tc", "-n", ns, "qdisc", "replace", "dev", HOST_IF, "parent", SINK, "handle", "30:", "bfifo",
                      "limit", "0")
-        self._event("testbed", prefix=s.prefix, hosts=s.hosts, rate=s.link_rate, state=what)
+            if s.control_priority:  # heartbeats and quorum RPCs never queue behind the exchange
+                shaping.prioritize_ports(ns, (s.port,))
+        self._event("testbed", prefix=s.prefix, hosts=s.hosts, rate=s.link_rate, state=what,
+                    control_priority=s.control_priority)
 
     def _prefix(self, host: int) -> list[str]:
         return [] if self.tb is None else [tool("ip"), "netns", "exec", self.tb.host_ns(host)]
@@ -219,6 +226,16 @@ class Harness:
         self.lighthouse_addr = f"http://{self._addr(0)}:{line.rsplit(':', 1)[1]}"
         self._event("lighthouse", address=self.lighthouse_addr)
 
+    def _start_probe(self) -> None:
+        """The control-plane probe, from the last host (the far side of the link from the Lighthouse)."""
+        if not self.s.probe_control or self.tb is None:
+            return
+        ns = ",".join(self.tb.host_ns(h) for h in range(self.s.hosts))
+        cmd = [*self._prefix(self.s.hosts - 1), self.s.python, "-m", "gradzip.chaos.control", "--host",
+               self._addr(0), "--port", str(self.s.port), "--ns", ns, "--out", str(self.out / control.PROBE_FILE)]
+        self.probe = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=self._env(), start_new_session=True)
+        self._event("probe", pid=self.probe.pid)
+
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn")
         if self.tb is not None:
@@ -226,6 +243,9 @@ class Harness:
         return env
 
     def _teardown(self) -> None:
+        if self.probe is not None:  # first: its last samples see live groups, not their teardown
+            self.probe.terminate()
+            self.probe.wait(15)
         for p in self.procs.values():
             if p.popen.poll() is None:
                 p.ended_by_us = True

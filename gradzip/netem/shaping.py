@@ -85,3 +85,28 @@ def shape(ns: str, shaping: Shaping, method: str) -> None:
     run_tool(*tc, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "pref", "2", "u32",
             "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f", "at", "0",
             "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:5")
+
+
+CONTROL_PREF = "3"  # after the loss/partition filters (pref 1), which must still drop control packets
+
+
+def prioritize_ports(ns: str, ports: tuple[int, ...]) -> None:
+    """Serve TCP traffic to or from each of ``ports`` (either direction: the port as source or as
+    destination) in the priority class 1:5 of a shaped host's egress, with the pure ACKs.
+
+    Why: a control plane (torchft's heartbeats and quorum RPCs to the Lighthouse) shares the host's
+    link with the bulk exchange. In the one data class its request or reply waits behind the
+    queued bulk bytes, seconds at 10 Mbit/s, which starves heartbeats; a real deployment gives
+    such traffic its own priority (DSCP/traffic class). The class's guaranteed rate (rate / 20) is
+    far above a control plane's, and its ceiling is the link: priority, never a second link.
+    Needs a shaped host (the htb root of :func:`shape`). The ports sit at fixed offsets (IPv4
+    without options, as the ACK filter assumes: u32's ``tcp`` matches need a header-length hash)."""
+    tc = ("tc", "-n", ns)
+    for port in ports:
+        if not 0 < port < 65536:
+            raise NetemError(f"control port {port} is not a TCP port (1..65535)")
+        for field in ("sport", "dport"):
+            run_tool(*tc, "filter", "add", "dev", HOST_IF, "parent", "1:", "protocol", "ip", "pref", CONTROL_PREF,
+                     "u32", "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f", "at", "0",
+                     "match", "ip", field, str(port), "0xffff",
+                     "flowid", "1:5")
