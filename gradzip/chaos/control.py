@@ -138,7 +138,9 @@ def report(runs: list[str], out: str) -> dict[str, Any]:
                      "participation_ok": summary.get("participation_ok")})
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "control_plane.json").write_text(json.dumps({"runs": rows}, indent=1) + "\n")
-    (Path(out) / "control_plane.md").write_text(table(rows) + "\n")
+    (Path(out) / "control_plane.md").write_text("# The control plane's latency\n\nms; made by `gradzip chaos "
+                                                "control-plane` from `control_probe.jsonl` of each run.\n\n"
+                                                + table(rows) + "\n")
     return {"runs": rows}
 
 
