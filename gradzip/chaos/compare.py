@@ -115,7 +115,7 @@ def compare(runs: list[str], out: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "compare.md").write_text(table(res) + "\n")
-    res["figures"] = figures.draw([report.Run(r) for r in runs], res, out)
+    res["figures"] = figures.draw([report.ChaosRun(r) for r in runs], res, out)
     return res
 
 

@@ -20,7 +20,7 @@ def _plt() -> Any:
     return plt
 
 
-def draw(runs: list[report.Run], res: dict[str, Any], out: Path) -> list[str]:
+def draw(runs: list[report.ChaosRun], res: dict[str, Any], out: Path) -> list[str]:
     """Writes the three figures into ``out``; returns their paths."""
     return [goodput(res, out / "goodput.png"), participation(runs, out / "participation.png"),
             loss(runs, out / "loss.png")]
@@ -53,7 +53,7 @@ def goodput(res: dict[str, Any], path: Path) -> str:
     return str(path)
 
 
-def participation(runs: list[report.Run], path: Path) -> str:
+def participation(runs: list[report.ChaosRun], path: Path) -> str:
     plt = _plt()
     faulty = [r for r in runs if r.settings["rate"] > 0] or runs
     fig, axes = plt.subplots(len(faulty), 1, figsize=(7, 1.9 * len(faulty)), sharex=True, squeeze=False)
@@ -73,7 +73,7 @@ def participation(runs: list[report.Run], path: Path) -> str:
     return str(path)
 
 
-def loss(runs: list[report.Run], path: Path) -> str:
+def loss(runs: list[report.ChaosRun], path: Path) -> str:
     plt = _plt()
     fig, axes = plt.subplots(len(runs), 1, figsize=(7, 1.9 * len(runs)), sharex=True, sharey=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
@@ -89,7 +89,7 @@ def loss(runs: list[report.Run], path: Path) -> str:
     return str(path)
 
 
-def _mark_faults(ax: Any, run: report.Run) -> None:
+def _mark_faults(ax: Any, run: report.ChaosRun) -> None:
     for e in run.events:
         if e["event"] in KIND_COLOURS:
             ax.axvline(e["rel"], color=KIND_COLOURS[e["event"]], lw=0.8, alpha=0.7)

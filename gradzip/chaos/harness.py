@@ -82,7 +82,7 @@ class Settings:
     def batch_tokens(self) -> int:
         return self.batch_size * self.seq_len
 
-    def faults(self) -> list[schedule.Fault]:
+    def faults(self) -> list[schedule.ScheduledFault]:
         return schedule.build(self.seed, self.rate, self.duration, self.groups, max(self.hosts, 1), self.kinds,
                               self.recovery, self.stall, self.partition)
 

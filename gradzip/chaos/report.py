@@ -41,7 +41,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-class Run:
+class ChaosRun:
     """A chaos run's files, times shifted to the founding sync."""
 
     def __init__(self, out: str | Path) -> None:
@@ -115,7 +115,7 @@ def _gid(g: int) -> str:
     return f"gradzip_group_{g}"
 
 
-def faults(run: Run) -> list[dict[str, Any]]:
+def faults(run: ChaosRun) -> list[dict[str, Any]]:
     """Every injected (or skipped) fault with its recovery time."""
     out = []
     for e in run.events:
@@ -146,13 +146,13 @@ def faults(run: Run) -> list[dict[str, Any]]:
     return out
 
 
-def _first_commit(run: Run, e: dict[str, Any]) -> float | None:
+def _first_commit(run: ChaosRun, e: dict[str, Any]) -> float | None:
     first = next((r for r in run.ft if r["group"] == e["group"] and r["inc"] == e["inc"] and r["rec"]["committed"]),
                  None)
     return None if first is None else round(first["rel"] - e["rel"], 2)
 
 
-def _back(run: Run, fault: dict[str, Any], g: int) -> dict[str, Any] | None:
+def _back(run: ChaosRun, fault: dict[str, Any], g: int) -> dict[str, Any] | None:
     """The event that ended ``fault`` for group ``g``: its restart, its resume, its host's link back."""
     want = {"kill": "launch", "stall": "resume", "partition": "link"}[fault["event"]]
     for e in run.events:
@@ -167,7 +167,7 @@ def _back(run: Run, fault: dict[str, Any], g: int) -> dict[str, Any] | None:
     return None
 
 
-def _restart(run: Run, g: int, inc: int) -> dict[str, Any]:
+def _restart(run: ChaosRun, g: int, inc: int) -> dict[str, Any]:
     """The restarted process: launch → first quorum request (``startup_s``), and its join sync."""
     launch = next((e for e in run.events if e["event"] == "launch" and e["group"] == g and e["inc"] == inc), None)
     first = next((r for r in run.ft if r["group"] == g and r["inc"] == inc and r["rec"]["committed"]), None)
@@ -177,7 +177,7 @@ def _restart(run: Run, g: int, inc: int) -> dict[str, Any]:
     return {"startup_s": round(asked - launch["rel"], 2), "healed": bool(first["rec"]["healed"])}
 
 
-def heals(run: Run, syncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def heals(run: ChaosRun, syncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every heal: the healed group's digest against a non-healed member's in the same sync."""
     out = []
     for s in syncs:
@@ -189,7 +189,7 @@ def heals(run: Run, syncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _losses_after(run: Run, row: dict[str, Any]) -> list[float]:
+def _losses_after(run: ChaosRun, row: dict[str, Any]) -> list[float]:
     """The training losses of the first ``LOSS_STEPS`` steps of ``row``'s process after its sync
     ``row``: its step records read after it, less the sync step's own (whose forward came before the
     sync; a join sync runs before the process's first step, so nothing is dropped then)."""
@@ -198,7 +198,7 @@ def _losses_after(run: Run, row: dict[str, Any]) -> list[float]:
     return after[0 if row["rec"]["join"] else 1:][:LOSS_STEPS]
 
 
-def loss_jumps(run: Run, syncs: list[dict[str, Any]], bound: float) -> list[dict[str, Any]]:
+def loss_jumps(run: ChaosRun, syncs: list[dict[str, Any]], bound: float) -> list[dict[str, Any]]:
     """Per heal after the founding sync: the healed group's first steps' training loss against the
     other members' first steps after the same sync (the same θ_global, other batches)."""
     out = []
@@ -213,7 +213,7 @@ def loss_jumps(run: Run, syncs: list[dict[str, Any]], bound: float) -> list[dict
     return out
 
 
-def final_digests(run: Run) -> dict[str, Any]:
+def final_digests(run: ChaosRun) -> dict[str, Any]:
     """At the last sync every surviving group committed: each one's digest, and whether they agree."""
     n = int(run.settings["groups"])
     end = run.duration + 1e9
@@ -233,7 +233,7 @@ def final_digests(run: Run) -> dict[str, Any]:
     return {"surviving": surviving, "sync": s, "digests": digests, "equal": len(set(digests.values())) == 1}
 
 
-def participation(run: Run, syncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def participation(run: ChaosRun, syncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per regular committed sync in the window: participants, members, the groups live then."""
     out = []
     for s in syncs:
@@ -246,7 +246,7 @@ def participation(run: Run, syncs: list[dict[str, Any]]) -> list[dict[str, Any]]
     return out
 
 
-def held_out(run: Run) -> dict[str, Any]:
+def held_out(run: ChaosRun) -> dict[str, Any]:
     """Every surviving group's last held-out loss in the window and their mean, and ``late_mean``:
     the mean of every held-out loss of the window's last ``LATE_S`` seconds (all groups), steadier
     than one evaluation when the loss swings from sync to sync."""
@@ -263,7 +263,7 @@ def held_out(run: Run) -> dict[str, Any]:
 
 def summarize(out: str | Path, loss_bound: float = 0.5) -> dict[str, Any]:
     """The run's ``summary.json`` (module docstring); also writes it and ``summary.md``."""
-    run = Run(out)
+    run = ChaosRun(out)
     syncs = run.syncs()
     window = [s for s in syncs if 0 <= s["rel"] <= run.duration]
     steps = sum(s["weights"].get(p, 0.0) for s in window for p in s["participants"])

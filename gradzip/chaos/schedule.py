@@ -33,7 +33,7 @@ KINDS = ("kill", "stall", "partition")
 
 
 @dataclass(frozen=True)
-class Fault:
+class ScheduledFault:
     """One scheduled fault: at ``t`` seconds (from the founding sync), ``kind`` on ``target`` (a
     group index; a host index for a partition), lasting ``duration`` seconds (the restart delay of
     a kill, the stall, the partition)."""
@@ -57,7 +57,7 @@ def parse_kinds(text: str) -> tuple[str, ...]:
 
 
 def build(seed: int, rate: float, duration: float, groups: int, hosts: int, kinds: tuple[str, ...],
-          recovery: float, stall: float, partition: float, start: float = 0.0) -> list[Fault]:
+          recovery: float, stall: float, partition: float, start: float = 0.0) -> list[ScheduledFault]:
     """The faults of a run (module docstring), in time order. ``rate`` is in faults per minute (0:
     none); targets are drawn from one ``random.Random(seed)`` stream in arrival order."""
     if not (rate >= 0 and rate < float("inf")):
@@ -66,7 +66,7 @@ def build(seed: int, rate: float, duration: float, groups: int, hosts: int, kind
         raise GradzipError(f"a chaos run needs at least one group and one host, got {groups} and {hosts}")
     rng = random.Random(seed)
     lengths = {"kill": recovery, "stall": stall, "partition": partition}
-    out: list[Fault] = []
+    out: list[ScheduledFault] = []
     t = start
     while rate > 0:
         t += rng.expovariate(rate / 60.0)
@@ -74,7 +74,7 @@ def build(seed: int, rate: float, duration: float, groups: int, hosts: int, kind
             break
         kind = kinds[rng.randrange(len(kinds))]
         target = rng.randrange(hosts if kind == "partition" else groups)
-        out.append(Fault(round(t, 3), kind, target, lengths[kind]))
+        out.append(ScheduledFault(round(t, 3), kind, target, lengths[kind]))
     return out
 
 

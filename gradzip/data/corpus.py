@@ -369,6 +369,20 @@ def _load_wordnet(spec: str, root: Path) -> Corpus:
                                         "left out)"), final)
 
 
+def _load_prose(spec: str, root: Path) -> Corpus:
+    """``fortunes[:DIR]``, ``python-doc[:DIR]``: Debian's fortunes or the Python manual's prose
+    (:mod:`gradzip.data.prose`), cleaned with the harvest's filters."""
+    from gradzip.data import prose  # only for these sources
+
+    name, directory, files, split, description = prose.resolve(spec)
+    final = root / "corpora" / f"{name}-{prose.cache_key(name, directory, files, CORPUS_FORMAT)[:12]}"
+    with locked(root / "locks" / f"{final.name}.lock"):
+        if not (final / "meta.json").exists():
+            with staging(final) as tmp:
+                write_corpus(tmp, prose.documents(files, split), spec, description)
+        return Corpus.open(final)
+
+
 def _finish(corpus: Corpus, final: Path) -> Corpus:
     """The corpus as it will be after the staging directory is renamed."""
     return Corpus(corpus.source, final, corpus.fingerprint, corpus.num_docs, corpus.num_sentences,
@@ -392,9 +406,7 @@ def load_corpus(spec: str | os.PathLike | None = None, cache_dir: str | os.PathL
     if isinstance(spec, str) and (spec == "wordnet" or spec.startswith("wordnet:")):
         return _load_wordnet(spec, root)
     if isinstance(spec, str) and spec.split(":", 1)[0] in ("fortunes", "python-doc"):
-        from gradzip.data import prose  # it imports this module
-
-        return prose.load(spec, root)
+        return _load_prose(spec, root)
     path = Path(spec).expanduser()
     files = corpus_files(path)
     key = _path_key(path, files)

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gradzip.data import harvest
-from gradzip.data.corpus import CORPUS_FORMAT, Corpus, locked, staging, write_corpus
 from gradzip.errors import GradzipError
 
 PROSE_FORMAT = 1
@@ -97,7 +96,8 @@ def _one_document(text: str) -> Iterator[list[str]]:
     yield python_doc_paragraphs(text)
 
 
-def _documents(files: list[Path], split: Callable[[str], Iterator[list[str]]]) -> Iterator[list[str]]:
+def documents(files: list[Path], split: Callable[[str], Iterator[list[str]]]) -> Iterator[list[str]]:
+    """The documents of ``files``, each split by ``split`` and cleaned by the harvest's filters."""
     seen = harvest.ParagraphSet()
     for path in files:
         for paragraphs in split(_read(path)):
@@ -106,29 +106,29 @@ def _documents(files: list[Path], split: Callable[[str], Iterator[list[str]]]) -
                 yield kept
 
 
-def load(spec: str, root: Path) -> Corpus:
-    """The cached corpus for ``fortunes[:DIR]`` or ``python-doc[:DIR]`` under the cache ``root``,
-    built on first use (see the module docstring)."""
+Splitter = Callable[[str], Iterator[list[str]]]
+
+
+def resolve(spec: str) -> tuple[str, Path, list[Path], Splitter, str]:
+    """``fortunes[:DIR]`` or ``python-doc[:DIR]``: (name, directory, files, how a file splits into
+    documents, description); a one-line :class:`GradzipError` when the package is not installed.
+    The cache (:func:`gradzip.data.corpus.load_corpus`) builds the corpus from them."""
     name, _, given = spec.partition(":")
     if name == "fortunes":
         directory = Path(given or FORTUNES_DIR).expanduser()
-        files = fortune_files(directory)
-        split: Callable[[str], Iterator[list[str]]] = fortune_paragraphs
-        description = f"fortunes from {directory} (one fortune a document)"
-    else:
-        directory = Path(given or PYTHON_DOC_DIR).expanduser()
-        files = python_doc_files(directory)
-        split = _one_document
-        description = f"the Python manual's prose from {directory / '_sources'} (one source file a document)"
-    h = hashlib.sha256(f"{name}{PROSE_FORMAT}.{CORPUS_FORMAT}.{harvest.HARVEST_VERSION}\n{directory.resolve()}\n"
+        return (name, directory, fortune_files(directory), fortune_paragraphs,
+                f"fortunes from {directory} (one fortune a document)")
+    directory = Path(given or PYTHON_DOC_DIR).expanduser()
+    return (name, directory, python_doc_files(directory), _one_document,
+            f"the Python manual's prose from {directory / '_sources'} (one source file a document)")
+
+
+def cache_key(name: str, directory: Path, files: list[Path], corpus_format: int) -> str:
+    """The cache key: the source, this module's and the corpus format's versions, and every file
+    read (path, size, mtime), so that an edited or upgraded package rebuilds the corpus."""
+    h = hashlib.sha256(f"{name}{PROSE_FORMAT}.{corpus_format}.{harvest.HARVEST_VERSION}\n{directory.resolve()}\n"
                        .encode())
     for f in files:
         st = f.stat()
         h.update(f"{f.relative_to(directory)}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
-    final = root / "corpora" / f"{name}-{h.hexdigest()[:12]}"
-    with locked(root / "locks" / f"{final.name}.lock"):
-        if not (final / "meta.json").exists():
-            with staging(final) as tmp:
-                write_corpus(tmp, _documents(files, split), spec, description)
-        return Corpus.open(final)
-
+    return h.hexdigest()
