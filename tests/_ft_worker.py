@@ -3,7 +3,8 @@
 ``run_group(cfg, queue)`` trains ``cfg["steps"]`` inner steps, then puts ``(group, digest, torchft
 step, inner step)`` on ``queue``. Keys: lighthouse,
 group, groups, min_replicas, every, spec, steps, log, guard, save/load (a checkpoint path),
-pause_at/resume_file (after ``pause_at`` inner steps, wait for the file to exist), ready_file
+pause_at/resume_file (after ``pause_at`` inner steps, wait for the file to exist), standby (a warm
+spare's go file), ready_file
 (written once the group's Manager is up), outer_lr/momentum, tokens (per inner step), probe (a
 path prefix: the state before and after the first regular sync), fragments (Streaming DiLoCo's P),
 sparseloco (a dict of ``--sync ftsparseloco`` keys: that mode, with ``spec`` ignored)."""
@@ -44,7 +45,7 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
                             nesterov=momentum > 0)
     kwargs = {"groups": cfg["groups"], "group": cfg["group"], "lighthouse": cfg["lighthouse"],
               "min_replicas": cfg.get("min_replicas", 1), "timeout": cfg.get("timeout", 10.0), "log": cfg.get("log"),
-              "guard": cfg.get("guard", True)}
+              "guard": cfg.get("guard", True), "standby": cfg.get("standby")}
     if cfg.get("sparseloco") is not None:
         from gradzip.engine.ftsparseloco import FTSparseLoCo
         from gradzip.engine.sparseloco import codec_spec

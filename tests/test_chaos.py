@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,67 @@ def test_partition_drops_a_hosts_egress_then_restores_it(tmp_path):
         assert connect() == "ConnectionRefusedError"
     finally:
         testbed.down("gzchaost")
+
+
+# ---------------------------------------------------------------------- warm spares
+FAKE_TRAIN = """import sys, time, pathlib
+sync = sys.argv[sys.argv.index("--sync") + 1]
+go = dict(kv.split("=", 1) for kv in sync.split(":", 1)[1].split(",")).get("standby")
+print("started", sync, flush=True)
+while go and not pathlib.Path(go).exists():
+    time.sleep(0.02)
+print("joined", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_restart_activates_the_warm_spare_and_starts_another(tmp_path):
+    """With --warm-spare, each group has a standby process waiting on its go file; a restart
+    creates that file (the spare joins, its launch event is then) and starts a new spare behind it;
+    a group whose spare died restarts cold. Teardown ends every process, spares included."""
+    from gradzip.chaos import harness
+
+    fake = tmp_path / "fake_python.py"
+    fake.write_text(FAKE_TRAIN)
+    wrapper = tmp_path / "python"  # stands in for the interpreter: "-m gradzip train ..." -> the fake
+    wrapper.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {fake} \"$@\"\n")
+    wrapper.chmod(0o755)
+    out = tmp_path / "run"
+    h = harness.Harness(harness.Settings(out=str(out), hosts=0, groups=2, warm_spare=True, python=str(wrapper)))
+    out.mkdir()
+    h.events = (out / "events.jsonl").open("a")
+    h.lighthouse_addr = "http://127.0.0.1:1"
+    try:
+        for g in range(2):
+            h._launch(g)
+            h._launch(g, standby=True)
+        spare = h.spares[0]
+        assert spare.inc == 1 and h.procs[0].inc == 0
+        h.procs[0].popen.kill()
+        p = h._activate(0)
+        assert p is spare and h.procs[0] is spare and (spare.out / harness.GO_FILE).exists()
+        assert h.spares[0].inc == 2 and h.spares[0].popen.poll() is None
+        wait = time.monotonic() + 30
+        while b"joined" not in (spare.out.parent / "log1.txt").read_bytes():
+            assert time.monotonic() < wait, "the spare never saw its go file"
+            time.sleep(0.05)
+        assert b"standby=" in (spare.out.parent / "log1.txt").read_bytes()
+        assert b"standby=" not in (spare.out.parent / "log0.txt").read_bytes()
+        h.spares[1].popen.kill()
+        h.spares[1].popen.wait()
+        h._tick_spares()
+        cold = h._activate(1)  # its spare is gone: a new process, no go file needed; a new spare behind it
+        assert cold.inc == 2 and h.spares[1].inc == 3
+    finally:
+        h._teardown()
+    assert all(p.popen.poll() is not None for p in h.history)
+    ev = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    launches = [(e["group"], e["inc"], e.get("warm", False)) for e in ev if e["event"] == "launch"]
+    assert launches == [(0, 0, False), (1, 0, False), (0, 1, True), (1, 2, False)]
+    assert [(e["group"], e["inc"]) for e in ev if e["event"] == "spare"] == [(0, 1), (1, 1), (0, 2), (1, 3)]
+    assert [(e["group"], e["inc"]) for e in ev if e["event"] == "spare-exit"] == [(1, 1)]
 
 
 # ---------------------------------------------------------------------- bad input

@@ -122,6 +122,27 @@ def test_kill_then_rejoin_heals_bit_exactly(groups, tmp_path):
     assert all(r["bytes"] == {G0: 136, G1: 136} for r in b2 if r["committed"] and not r["healed"])
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_warm_spare_stays_out_of_the_quorum_until_told(groups, tmp_path):
+    """A warm spare (``standby=FILE``) is built but its Manager does not start: group 0 keeps
+    committing alone (the Lighthouse does not wait for it). Once FILE exists it joins at group 0's
+    next sync, heals to its state and both finish with one digest."""
+    resume, go = tmp_path / "resume", tmp_path / "go"
+    groups.start("a", group=0, groups=1, steps=12, pause_at=8, resume_file=str(resume))
+    groups.start("b", group=1, groups=2, steps=12, standby=str(go), ready_file=str(tmp_path / "ready"))
+    wait_for(lambda: sum(r["committed"] for r in records(tmp_path / "a.jsonl")) >= 4, "a's syncs alone")
+    assert not (tmp_path / "ready").exists() and not (tmp_path / "b.jsonl").exists()
+    assert all(r["members"] == [G0] for r in records(tmp_path / "a.jsonl"))
+    go.touch()
+    wait_for((tmp_path / "ready").exists, "the spare's manager")
+    resume.touch()
+    res = groups.results(2)
+    assert res[0] == res[1] and res[0][2] == 12
+    join = next(r for r in records(tmp_path / "b.jsonl") if r["committed"])
+    assert join["join"] and join["healed"] and join["step"] == 10 and join["members"] == [G0, G1]
+
+
 # Streaming DiLoCo (2 fragments: the weight, then the bias) and SparseLoCo (chunks of 4x4, 2 per chunk)
 VARIANTS: dict[str, dict[str, Any]] = {
     "fragments": {"every": 4, "fragments": 2},

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "on; off: one queue, to measure the difference)")
     a("--probe-control", action="store_true", help="time a request to the Lighthouse from the last host every "
       "0.1 s, with the hosts' queued bytes and the heartbeats' ages (control_probe.jsonl; needs --hosts >= 2)")
+    a("--warm-spare", action="store_true", help="keep a built, idle standby process per group (imports, model and "
+      "data done, its Manager not started); a killed or late group's spare joins at once and a new spare starts "
+      "behind it (default: a restart is a new process)")
     a("--loss-bound", type=float, default=0.5, help="a heal's loss jump above this (nat) is a discontinuity")
     cp = sub.add_parser("control-plane", help="control-plane latency of --probe-control runs, idle and during "
                         "exchanges (control_plane.json, .md)")
@@ -113,7 +116,7 @@ def settings(args: argparse.Namespace) -> Any:
                          port=args.port, prefix=args.prefix, model=args.model, compressor=args.compressor,
                          batch_size=args.batch_size, seq_len=args.seq_len, train_seed=args.train_seed,
                          train_args=shlex.split(args.train_args), control_priority=args.control_priority == "on",
-                         probe_control=args.probe_control)
+                         probe_control=args.probe_control, warm_spare=args.warm_spare)
     s.faults()  # the rate, checked
     return s
 

@@ -8,6 +8,11 @@ namespace (``ip netns exec``), the Lighthouse in host 0's, and every group adver
 address (``host=``). With ``hosts`` = 0 everything runs on this machine over loopback (no
 partition faults then).
 
+Restarts: a killed group comes back ``recovery`` seconds later as a new process (a cold start:
+interpreter, imports, model, data, then its join sync), or with ``warm_spare`` as its *warm spare*:
+a process started ahead of time with ``standby=FILE`` in its ``--sync``, built and idle, whose
+Manager starts only when the harness creates FILE; a new spare is started behind it at once.
+
 Time: the clock starts at the *founding sync* (the first committed join sync of the founding
 groups); faults and late starts are placed from it, and the run ends ``duration`` seconds after it:
 every group gets SIGCONT, every partition is lifted, then SIGTERM (SIGKILL 10 s later).
@@ -42,6 +47,7 @@ POLL_S = 0.1
 FOUNDING_LIMIT_S = 300.0  # the founders must have synced once by then
 SINK = "1:30"  # the htb class whose queue holds nothing: a partitioned host's egress goes there
 PARTITION_PREF = "1"
+GO_FILE = "go"  # a warm spare's signal to join, in its --out directory
 
 
 @dataclass
@@ -76,6 +82,7 @@ class Settings:
     train_args: list[str] = field(default_factory=list)
     control_priority: bool = True  # the Lighthouse's port in each host's priority class (shaping.prioritize_ports)
     probe_control: bool = False  # time the control plane from the last host (gradzip.chaos.control)
+    warm_spare: bool = False  # a built, idle standby process per group replaces a killed one at once
     python: str = sys.executable
 
     @property
@@ -149,6 +156,7 @@ class Harness:
         self.tb: testbed.Testbed | None = None
         self.created = False
         self.procs: dict[int, Proc] = {}  # each group's newest process
+        self.spares: dict[int, Proc] = {}  # each group's warm spare (--warm-spare), waiting for its go file
         self.history: list[Proc] = []  # every process, in launch order
         self.incs: dict[int, int] = {}
         self.partitioned: set[int] = set()
@@ -178,6 +186,8 @@ class Harness:
             self._start_probe()
             for g in range(s.groups - s.late):
                 self._launch(g)
+            for g in range(s.groups) if s.warm_spare else ():
+                self._launch(g, standby=True)
             self._wait_founding()
             for i, f in enumerate(faults):
                 self._at(f.t, f.kind, {"fault": i, "target": f.target, "duration": f.duration})
@@ -246,7 +256,7 @@ class Harness:
         if self.probe is not None:  # first: its last samples see live groups, not their teardown
             self.probe.terminate()
             self.probe.wait(15)
-        for p in self.procs.values():
+        for p in [*self.procs.values(), *self.spares.values()]:
             if p.popen.poll() is None:
                 p.ended_by_us = True
                 _signal(p, signal.SIGCONT)
@@ -277,7 +287,9 @@ class Harness:
             self.events.close()
 
     # ------------------------------------------------------------------ the groups
-    def _launch(self, g: int) -> Proc:
+    def _launch(self, g: int, standby: bool = False) -> Proc:
+        """Group ``g``'s next process; ``standby``: a warm spare, which builds everything and then
+        waits for its go file (:meth:`_activate`) before its Manager starts."""
         s = self.s
         inc = self.incs.get(g, -1) + 1
         self.incs[g] = inc
@@ -289,6 +301,8 @@ class Harness:
                 f"min_replicas={s.min_replicas},lighthouse={self.lighthouse_addr}")
         if self.tb is not None:
             sync += f",host={self._addr(host)}"
+        if standby:
+            sync += f",standby={out / GO_FILE}"
         cmd = [*self._prefix(host), s.python, "-m", "gradzip", "train", "--backend", "gloo", "--workers", "1",
                "--model", s.model, "--compressor", s.compressor, "--sync", sync, "--batch-size", str(s.batch_size),
                "--seq-len", str(s.seq_len), "--seed", str(s.train_seed + g + 1000 * inc), "--steps", "1000000",
@@ -297,9 +311,29 @@ class Harness:
         log = (out.parent / f"log{inc}.txt").open("wb")
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
         p = Proc(g, inc, popen, out, log)
-        self.procs[g] = p
         self.history.append(p)
-        self._event("launch", group=g, inc=inc, host=host, pid=popen.pid)
+        if standby:
+            self.spares[g] = p
+            self._event("spare", group=g, inc=inc, host=host, pid=popen.pid)
+        else:
+            self.procs[g] = p
+            self._event("launch", group=g, inc=inc, host=host, pid=popen.pid)
+        return p
+
+    def _activate(self, g: int) -> Proc:
+        """Group ``g`` (re)starts: its warm spare, if it has a live one, is told to go (its
+        ``launch`` event is now: the report's start-up is go → first quorum request) and a new spare
+        is started behind it; otherwise a new process (a cold start)."""
+        spare = self.spares.pop(g, None)
+        if spare is None or spare.popen.poll() is not None:
+            p = self._launch(g)
+        else:
+            (spare.out / GO_FILE).touch()
+            self.procs[g] = p = spare
+            self._event("launch", group=g, inc=spare.inc, host=g % max(self.s.hosts, 1), pid=spare.popen.pid,
+                        warm=True)
+        if self.s.warm_spare:
+            self._launch(g, standby=True)
         return p
 
     def _wait_founding(self) -> None:
@@ -342,6 +376,15 @@ class Harness:
                 self._event("exit", group=p.group, inc=p.inc, rc=rc)
                 if self.t0 is not None:
                     self._at(self._rel() + self.s.recovery, "restart", {"group": p.group})
+        self._tick_spares()
+
+    def _tick_spares(self) -> None:
+        """Record a spare that died (the group's next start is cold)."""
+        for g, p in list(self.spares.items()):
+            if (rc := p.popen.poll()) is not None:
+                p.ended_by_us = True
+                del self.spares[g]
+                self._event("spare-exit", group=g, inc=p.inc, rc=rc)
 
     def _loop(self, duration: float) -> None:
         while self._rel() < duration:
@@ -388,7 +431,7 @@ class Harness:
                             groups=[g for g in self.procs if g % self.s.hosts == h])
                 self._at(self._rel() + a["duration"], "link", {"host": h})
         elif action == "restart" or action == "late":
-            p = self._launch(a["group"])
+            p = self._activate(a["group"])
             self._event(action, group=p.group, inc=p.inc)
         elif action == "resume":
             p = self.procs[a["group"]]

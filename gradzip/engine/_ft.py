@@ -12,8 +12,10 @@ import io
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +49,13 @@ def start_lighthouse(min_replicas: int, port: int = 0, join_timeout_ms: int = 20
 
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                             heartbeat_timeout_ms=heartbeat_timeout_ms)
+
+
+def await_file(path: Path, poll: float = 0.05) -> None:
+    """Block until ``path`` exists: a warm spare's go signal. Its process is built (interpreter,
+    imports, model, data) and idle until then; whoever started it ends it if it is never needed."""
+    while not path.exists():
+        time.sleep(poll)
 
 
 def check_lighthouse(addr: str, timeout: float = 5.0) -> None:

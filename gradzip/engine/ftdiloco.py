@@ -67,7 +67,9 @@ class FTDiLoCo(FragmentExchange):
     of replica groups (its founding quorum); ``group``: this one's index; ``lighthouse``: an
     address, or ``"local"`` to start one here (on ``lighthouse_port``). ``guard=False`` turns off
     the fresh-state guard, only to show the failure it prevents. ``log``: the ``ft.jsonl`` path.
-    ``host``: the address the other groups reach this one at (None: all on this machine)."""
+    ``host``: the address the other groups reach this one at (None: all on this machine).
+    ``standby``: a warm spare: everything is built, then the group waits until this file exists
+    before its Manager starts (and so before the Lighthouse sees it)."""
 
     eval_on_every_rank = False
     mode = "ftdiloco"  # the --sync mode, in messages
@@ -76,7 +78,7 @@ class FTDiLoCo(FragmentExchange):
                  every: int, compressor: str = "none", *, groups: int, group: int, lighthouse: str,
                  min_replicas: int = 1, lighthouse_port: int = 29510, timeout: float = 30.0,
                  log: str | Path | None = None, guard: bool = True, fragments: int = 1,
-                 host: str | None = None) -> None:
+                 host: str | None = None, standby: str | Path | None = None) -> None:
         if groups < 1 or not 0 <= group < groups:
             raise GradzipError(f"--sync {self.mode}: group={group} must be in [0, groups={groups})")
         if not 1 <= min_replicas <= groups:
@@ -106,6 +108,8 @@ class FTDiLoCo(FragmentExchange):
         self._t_step: float | None = None  # when this step's forward began
         self.last_schedule: list[Any] = []
         self.last_digest = ""
+        if standby is not None:
+            _ft.await_file(Path(standby))
         server = None
         if lighthouse == "local":
             server = _ft.start_lighthouse(min_replicas, port=lighthouse_port)
@@ -320,13 +324,13 @@ class FTDiLoCo(FragmentExchange):
 
 
 # The keys every fault-tolerant mode takes, after its own (ftsparseloco's: gradzip/engine/ftsparseloco.py).
-FT_KEYS = ("groups", "group", "min_replicas", "lighthouse", "lighthouse_port", "host")
+FT_KEYS = ("groups", "group", "min_replicas", "lighthouse", "lighthouse_port", "host", "standby")
 FT_DEFAULTS = {"groups": "1", "group": "0", "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510"}
 
 
 def options(sync: SyncSpec) -> dict[str, Any]:
     """A fault-tolerant mode's own keys, typed and checked: groups, group, min_replicas,
-    lighthouse, lighthouse_port, host; and delay = 0. A :class:`GradzipError` (one line) for a value
+    lighthouse, lighthouse_port, host, standby; and delay = 0. A :class:`GradzipError` (one line) for a value
     out of range."""
     opts, mode = dict(sync.options), sync.mode
     try:
@@ -344,7 +348,7 @@ def options(sync: SyncSpec) -> dict[str, Any]:
         raise GradzipError(f"--sync {mode}: delay={sync.delay} is not fault-tolerant: a fragment is applied at the "
                            "step it is sent, inside its quorum and commit; give delay=0")
     return {"groups": groups, "group": group, "min_replicas": floor, "lighthouse": opts["lighthouse"],
-            "lighthouse_port": port, "host": opts.get("host") or None}
+            "lighthouse_port": port, "host": opts.get("host") or None, "standby": opts.get("standby") or None}
 
 
 def check_reachable(sync: SyncSpec) -> None:
@@ -364,7 +368,7 @@ def group_kwargs(target: Any, s: SyncSettings) -> dict[str, Any]:
     o = options(s.sync)
     return {"groups": o["groups"], "group": o["group"], "lighthouse": o["lighthouse"],
             "min_replicas": o["min_replicas"], "lighthouse_port": o["lighthouse_port"], "host": o["host"],
-            "timeout": s.timeout or 30.0,
+            "standby": o["standby"], "timeout": s.timeout or 30.0,
             "log": Path(s.log_dir) / "ft.jsonl" if s.log_dir else None}
 
 
@@ -378,7 +382,7 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any
 
 
 register_sync("ftdiloco", "fault-tolerant (Streaming) DiLoCo on torchft, one replica group per run (every=H,groups=N,"
-              "group=I,min_replicas=1,lighthouse=local|http://HOST:PORT,host=ADDR,outer_lr=0.7,momentum=0.9,"
+              "group=I,min_replicas=1,lighthouse=local|http://HOST:PORT,host=ADDR,standby=FILE,outer_lr=0.7,momentum=0.9,"
               "fragments=1)",
               _build, keys=("every", "outer_lr", "momentum", "nesterov", "fragments", "delay", *FT_KEYS),
               defaults={"outer_lr": "0.7", "momentum": "0.9", "nesterov": "true", **FT_DEFAULTS},
