@@ -7,7 +7,9 @@ pause_at/resume_file (after ``pause_at`` inner steps, wait for the file to exist
 spare's go file), ready_file
 (written once the group's Manager is up), outer_lr/momentum, tokens (per inner step), probe (a
 path prefix: the state before and after the first regular sync), fragments (Streaming DiLoCo's P),
-sparseloco (a dict of ``--sync ftsparseloco`` keys: that mode, with ``spec`` ignored)."""
+sparseloco (a dict of ``--sync ftsparseloco`` keys: that mode, with ``spec`` ignored); rank/ranks/port
+(a replica group of ``ranks`` gloo ranks, DDP inside it, its rendezvous on ``port``: this process is
+``rank``; the queue's key is then ``(group, rank)``, and the probe files end in ``.rank``)."""
 
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
     torch.set_num_threads(1)
     from gradzip.engine.ftdiloco import FTDiLoCo
 
+    rank, ranks, local = cfg.get("rank", 0), cfg.get("ranks", 1), None
+    if ranks > 1:
+        from gradzip.comm.torch_backend import TorchCommunicator
+
+        local = TorchCommunicator("gloo", rank, ranks, master_addr="127.0.0.1", master_port=cfg["port"], timeout=30)
     torch.manual_seed(0)  # every group is born with the same parameters
     model = torch.nn.Linear(16, 4)
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -45,7 +52,7 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
                             nesterov=momentum > 0)
     kwargs = {"groups": cfg["groups"], "group": cfg["group"], "lighthouse": cfg["lighthouse"],
               "min_replicas": cfg.get("min_replicas", 1), "timeout": cfg.get("timeout", 10.0), "log": cfg.get("log"),
-              "guard": cfg.get("guard", True), "standby": cfg.get("standby")}
+              "guard": cfg.get("guard", True), "standby": cfg.get("standby"), "local": local}
     if cfg.get("sparseloco") is not None:
         from gradzip.engine.ftsparseloco import FTSparseLoCo
         from gradzip.engine.sparseloco import codec_spec
@@ -63,23 +70,28 @@ def run_group(cfg: dict[str, Any], queue: Any) -> None:
         open(cfg["ready_file"], "w").close()
     if cfg.get("load"):
         ft.load_state_dict(torch.load(cfg["load"], weights_only=True))
+    sfx = f".{rank}" if ranks > 1 else ""
     while ft.step < cfg.get("steps", 10**9):
         if cfg.get("pause_at") is not None and ft.step == cfg["pause_at"]:
             _wait(cfg["resume_file"])
         ft.ensure_joined()
-        x, y = _batch(cfg["group"], ft.step)
+        x, y = _batch(cfg["group"] + 100 * rank, ft.step)
         inner.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
+        ft.reduce_gradients()  # DDP inside the group (nothing with one rank)
         inner.step()
         ft.add_tokens(cfg.get("tokens", x.shape[0]))
         probe = cfg.get("probe") and ft.step + 1 == ft.plan.span  # the first regular sync: θ_local, θ_global around it
         if probe:
             torch.save({"global": [g.clone() for g in ft.global_], "weight": ft.weight,
-                        "local": [p.detach().clone() for p in ft.params]}, f"{cfg['probe']}.before")
+                        "local": [p.detach().clone() for p in ft.params]}, f"{cfg['probe']}.before{sfx}")
         ft.inner_step_done()
         if probe:
-            torch.save([g.clone() for g in ft.global_], f"{cfg['probe']}.after")
+            torch.save([g.clone() for g in ft.global_], f"{cfg['probe']}.after{sfx}")
     if cfg.get("save"):
         torch.save(ft.state_dict(), cfg["save"])
-    queue.put((cfg["group"], ft.digest(), ft.ft.manager.current_step(), ft.step))
+    key = cfg["group"] if ranks == 1 else (cfg["group"], rank)
+    queue.put((key, ft.digest(), ft.ft.manager.current_step(), ft.step))
     ft.close()
+    if local is not None:
+        local.close()

@@ -242,7 +242,7 @@ def test_a_restart_activates_the_warm_spare_and_starts_another(tmp_path):
     """With --warm-spare, each group has a standby process waiting on its go file; a restart
     creates that file (the spare joins, its launch event is then) and starts a new spare behind it;
     a group whose spare died restarts cold. Teardown ends every process, spares included."""
-    from gradzip.chaos import harness
+    from gradzip.chaos import harness, procs
 
     fake = tmp_path / "fake_python.py"
     fake.write_text(FAKE_TRAIN)
@@ -269,6 +269,9 @@ def test_a_restart_activates_the_warm_spare_and_starts_another(tmp_path):
             assert time.monotonic() < wait, "the spare never saw its go file"
             time.sleep(0.05)
         assert b"standby=" in (spare.out.parent / "log1.txt").read_bytes()
+        assert os.getpriority(os.PRIO_PROCESS, h.spares[0].popen.pid) == procs.SPARE_NICE  # waiting: niced
+        if os.geteuid() == 0:  # brought in: back to the normal priority (lowering it needs root)
+            assert os.getpriority(os.PRIO_PROCESS, spare.popen.pid) == 0
         assert b"standby=" not in (spare.out.parent / "log0.txt").read_bytes()
         h.spares[1].popen.kill()
         h.spares[1].popen.wait()

@@ -143,6 +143,90 @@ def test_warm_spare_stays_out_of_the_quorum_until_told(groups, tmp_path):
     assert join["join"] and join["healed"] and join["step"] == 10 and join["members"] == [G0, G1]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_group(groups: Any, name: str, group: int, **cfg: Any) -> list[Any]:
+    """A replica group of two gloo ranks (DDP inside it): its processes, rank 0 first."""
+    port = free_port()
+    return [groups.start(f"{name}.r{r}", group=group, rank=r, ranks=2, port=port, **cfg) for r in (0, 1)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_ddp_inside_a_group_is_exact(groups, tmp_path):
+    """Two replica groups of two gloo ranks each: a group's ranks average their gradients at every
+    inner step (so they hold one θ_local, the hand computation's), rank 0 exchanges for the group
+    (its weight: 2 steps x 8 tokens x 2 ranks) and every rank takes the same outer step. Lossless,
+    outer SGD of lr 1: θ_global − (32·Δ₀ + 32·Δ₁)/64 on all four ranks."""
+    import torch
+    from _ft_worker import _batch
+
+    for g in (0, 1):
+        start_group(groups, f"w{g}", g, steps=4, spec="none", outer_lr=1.0, momentum=0.0,
+                    probe=str(tmp_path / f"probe{g}"))
+    res = groups.results(4)
+    assert len({d for d, _, _ in res.values()}) == 1 and {s for _, _, s in res.values()} == {4}
+    before = {(g, r): torch.load(tmp_path / f"probe{g}.before.{r}", weights_only=True) for g in (0, 1) for r in (0, 1)}
+    after = {(g, r): torch.load(tmp_path / f"probe{g}.after.{r}", weights_only=True) for g in (0, 1) for r in (0, 1)}
+    glob = before[0, 0]["global"]
+    for g in (0, 1):  # the group's inner steps by hand: SGD(lr 0.05) on the mean of its two ranks' gradients
+        torch.manual_seed(0)
+        m = torch.nn.Linear(16, 4)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        for step in (0, 1):
+            grads = []
+            for r in (0, 1):
+                m.zero_grad()
+                x, y = _batch(g + 100 * r, step)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                grads.append([p.grad.clone() for p in m.parameters()])
+            for p, g0, g1 in zip(m.parameters(), *grads):
+                p.grad = (g0 + g1) / 2
+            opt.step()
+        for r in (0, 1):
+            assert before[g, r]["weight"] == 16.0  # this rank's tokens; the header carries the group's 32
+            assert all(torch.equal(a, b) for a, b in zip(before[g, r]["local"], m.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(before[g, r]["global"], glob))
+    for i, g in enumerate(glob):
+        deltas = [(g - before[k, 0]["local"][i]).reshape(-1) for k in (0, 1)]
+        want = g.clone().add_(((deltas[0] * 0.5).add_(deltas[1] * 0.5)).view(g.shape), alpha=-1.0)
+        assert all(torch.equal(after[k][i], want) for k in after)
+    rec = [r for r in records(tmp_path / "w0.r0.jsonl") if r["committed"] and not r["join"]][0]
+    assert rec["weights"] == {G0: 32.0, G1: 32.0} and rec["bytes"] == {G0: 68 * 4, G1: 68 * 4}
+    assert not (tmp_path / "w0.r1.jsonl").exists()  # the group's record is rank 0's
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_group_of_two_ranks_rejoins_and_heals_on_both(groups, tmp_path):
+    """Both ranks of group 1 are killed after a sync; group 0 (two ranks) goes on alone. A new
+    group 1 of two ranks joins: each rank heals from the same rank of group 0, and all four ranks
+    end bit-identical."""
+    resume = tmp_path / "resume"
+    start_group(groups, "a", 0, steps=12, pause_at=6, resume_file=str(resume))
+    b = start_group(groups, "b", 1, steps=12, pause_at=2, resume_file=str(tmp_path / "never"))
+    wait_for(lambda: any(r["step"] == 2 and r["committed"] for r in records(tmp_path / "b.r0.jsonl")), "b's sync")
+    for p in b:
+        p.kill()
+    wait_for(lambda: any(r["members"] == [G0] and r["committed"] for r in records(tmp_path / "a.r0.jsonl")),
+             "a's sync without b")
+    start_group(groups, "b2", 1, steps=12, ready_file=str(tmp_path / "ready"))
+    wait_for((tmp_path / "ready").exists, "b2's managers")
+    resume.touch()
+    res = groups.results(4)
+    assert len({d for d, _, _ in res.values()}) == 1 and {s for _, _, s in res.values()} == {12}
+    heal = next(r for r in records(tmp_path / "b2.r0.jsonl") if r["healed"])
+    assert heal["committed"] and heal["heals"] == [G1] and heal["participants"] == [G0]
+    same = next(r for r in records(tmp_path / "a.r0.jsonl") if r["quorum_id"] == heal["quorum_id"] and r["committed"])
+    assert same["digest"] == heal["digest"]
+
+
 # Streaming DiLoCo (2 fragments: the weight, then the bias) and SparseLoCo (chunks of 4x4, 2 per chunk)
 VARIANTS: dict[str, dict[str, Any]] = {
     "fragments": {"every": 4, "fragments": 2},
@@ -343,17 +427,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert train(tmp_path, "ftdiloco:every=2,groups=2,min_replicas=3") == 2
     assert train(tmp_path, "ftdiloco:every=4,fragments=2,delay=1") == 2
     assert train(tmp_path, "ftsparseloco:groups=2", "--compressor", "topk") == 2
-    assert train(tmp_path, "ftsparseloco:groups=2", "--workers", "2") == 2
+    assert train(tmp_path, "ftsparseloco:groups=2", "--backend", "sim") == 2
+    assert train(tmp_path, "ftdiloco:every=2,groups=2", "--workers", "2", "--fsdp") == 2
     monkeypatch.setitem(sys.modules, "torchft", None)  # the ft extra missing
     assert train(tmp_path, "ftdiloco:every=2,groups=2") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 6 and "Traceback" not in "".join(err)
+    assert len(err) == 7 and "Traceback" not in "".join(err)
     assert "no torchft Lighthouse answers at http://127.0.0.1:" in err[0]
     assert "min_replicas=3 must be in [1, groups=2]" in err[1]
     assert "--sync ftdiloco: delay=1 is not fault-tolerant" in err[2]
     assert "--sync ftsparseloco sends its own codec" in err[3]
-    assert "--sync ftsparseloco runs each replica group as its own run" in err[4]
-    assert err[5].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
+    assert "--sync ftsparseloco runs each replica group as its own run on --backend gloo" in err[4]
+    assert "--sync ftdiloco replicates the model inside a replica group" in err[5] and "--fsdp" in err[5]
+    assert err[6].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
 
 
 class socket_closed:
@@ -375,10 +461,12 @@ class socket_closed:
 # ---------------------------------------------------------------------- under gradzip train
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
-def test_gradzip_train_two_groups_record_their_syncs(tmp_path, corpus):
-    """Two ``gradzip train`` runs, one per replica group (group 0 starts the Lighthouse): every
-    sync is in both runs' metrics.jsonl (``ft``: members, participants, bytes per participant),
-    with the same digests, and summary.json names the group."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gradzip_train_two_groups_record_their_syncs(tmp_path, corpus, workers):
+    """Two ``gradzip train`` runs, one per replica group (group 0 starts the Lighthouse), each of
+    ``workers`` gloo ranks (DDP inside the group): every sync is in both runs' metrics.jsonl
+    (``ft``: members, participants, bytes per participant), with the same digests, and
+    summary.json names the group and its ranks."""
     with socket_closed() as port:
         pass
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -388,7 +476,7 @@ def test_gradzip_train_two_groups_record_their_syncs(tmp_path, corpus):
     def run(group: int, lighthouse: str) -> subprocess.Popen:
         argv = ["--model", "bert-tiny", "--seq-len", "64", "--batch-size", "4", "--eval-batches", "1",
                 "--eval-every", "0", "--no-progress", "--corpus", str(corpus), "--steps", "4",
-                "--backend", "gloo", "--workers", "1", "--compressor", "topk:ratio=0.01,ef=true",
+                "--backend", "gloo", "--workers", str(workers), "--compressor", "topk:ratio=0.01,ef=true",
                 "--sync", f"ftdiloco:every=2,groups=2,group={group},lighthouse={lighthouse},lighthouse_port={port}",
                 "--out", str(tmp_path / f"g{group}")]
         return subprocess.Popen([sys.executable, "-m", "gradzip", "train", *argv], env=env,
@@ -409,6 +497,7 @@ def test_gradzip_train_two_groups_record_their_syncs(tmp_path, corpus):
     assert all(s["participants"] == [G0, G1] and s["bytes"][G0] == s["bytes"][G1] > 0 for s in syncs[0][1:])
     summary = json.loads((tmp_path / "g1" / "summary.json").read_text())
     assert (summary["ft_group"], summary["ft_groups"], summary["ft_digest"]) == (1, 2, syncs[1][-1]["digest"])
+    assert summary["ft_ranks"] == workers and (tmp_path / "g1" / "ckpt-00000004-rank1.pt").exists() == (workers == 2)
 
 
 def port_open(port: int) -> bool:

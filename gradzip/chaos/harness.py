@@ -11,7 +11,9 @@ partition faults then).
 Restarts: a killed group comes back ``recovery`` seconds later as a new process (a cold start:
 interpreter, imports, model, data, then its join sync), or with ``warm_spare`` as its *warm spare*:
 a process started ahead of time with ``standby=FILE`` in its ``--sync``, built and idle, whose
-Manager starts only when the harness creates FILE; a new spare is started behind it at once.
+Manager starts only when the harness creates FILE; a new spare is started behind it at once. A
+spare starts at niceness 19, so that its start-up takes no CPU from the live groups on a shared
+machine (as a spare on a machine of its own would not), and is set back to 0 when brought in.
 
 Time: the clock starts at the *founding sync* (the first committed join sync of the founding
 groups); faults and late starts are placed from it, and the run ends ``duration`` seconds after it:
@@ -37,7 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from gradzip.chaos import control, schedule
+from gradzip.chaos import control, procs, schedule
+from gradzip.chaos.procs import signal_tree
 from gradzip.errors import GradzipError
 from gradzip.netem import shaping, testbed
 from gradzip.netem.iproute import HOST_IF, run_tool, tool
@@ -259,14 +262,14 @@ class Harness:
         for p in [*self.procs.values(), *self.spares.values()]:
             if p.popen.poll() is None:
                 p.ended_by_us = True
-                _signal(p, signal.SIGCONT)
-                _signal(p, signal.SIGTERM)
+                signal_tree(p.popen.pid, signal.SIGCONT)
+                signal_tree(p.popen.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for p in self.history:
             try:
                 p.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
+                signal_tree(p.popen.pid, signal.SIGKILL)
                 p.popen.wait()
             p.log.close()
         if self.timeline is not None:
@@ -309,7 +312,8 @@ class Harness:
                "--timeout", f"{s.timeout:g}", "--eval-every", str(s.every), "--no-progress", "--out", str(out),
                *s.train_args]
         log = (out.parent / f"log{inc}.txt").open("wb")
-        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True,
+                                 preexec_fn=procs.nice_spare if standby else None)
         p = Proc(g, inc, popen, out, log)
         self.history.append(p)
         if standby:
@@ -328,10 +332,11 @@ class Harness:
         if spare is None or spare.popen.poll() is not None:
             p = self._launch(g)
         else:
+            reniced = procs.renice(spare.popen.pid, 0)
             (spare.out / GO_FILE).touch()
             self.procs[g] = p = spare
             self._event("launch", group=g, inc=spare.inc, host=g % max(self.s.hosts, 1), pid=spare.popen.pid,
-                        warm=True)
+                        warm=True, reniced=reniced)
         if self.s.warm_spare:
             self._launch(g, standby=True)
         return p
@@ -413,11 +418,11 @@ class Harness:
                 self._event("skip", fault=a["fault"], kind=action, group=g, why="the last live group")
             elif action == "kill":
                 p.ended_by_us = True
-                _signal(p, signal.SIGKILL)
+                signal_tree(p.popen.pid, signal.SIGKILL)
                 self._event("kill", fault=a["fault"], group=g, inc=p.inc)
                 self._at(self._rel() + a["duration"], "restart", {"group": g})
             else:
-                _signal(p, signal.SIGSTOP)
+                signal_tree(p.popen.pid, signal.SIGSTOP)
                 p.stopped = True
                 self._event("stall", fault=a["fault"], group=g, inc=p.inc)
                 self._at(self._rel() + a["duration"], "resume", {"group": g})
@@ -435,7 +440,7 @@ class Harness:
             self._event(action, group=p.group, inc=p.inc)
         elif action == "resume":
             p = self.procs[a["group"]]
-            _signal(p, signal.SIGCONT)
+            signal_tree(p.popen.pid, signal.SIGCONT)
             p.stopped = False
             self._event("resume", group=p.group, inc=p.inc)
         elif action == "link":
@@ -453,38 +458,3 @@ class Harness:
         run_tool("tc", "-n", self.tb.host_ns(h), "filter", "del", "dev", HOST_IF, "parent", "1:", "pref",
                  PARTITION_PREF, check=False)
         self.partitioned.discard(h)
-
-
-def _children() -> dict[int, list[int]]:
-    """Every process's children, from /proc (ppid is the 4th field of /proc/PID/stat)."""
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(d.name))
-    return kids
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, parents first."""
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        q = todo.pop(0)
-        out.append(q)
-        todo.extend(kids.get(q, []))
-    return out
-
-
-def _signal(p: Proc, sig: int) -> None:
-    """``sig`` to the group's process and every descendant (``gradzip train`` runs its rank as a
-    child in a session of its own, so the process group is not enough)."""
-    for pid in tree(p.popen.pid):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass

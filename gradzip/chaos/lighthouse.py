@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO otherwise
-    from torchft._torchft import LighthouseServer  # noqa: PLC0415 (the optional ft extra)
+    from torchft.coordination import LighthouseServer  # noqa: PLC0415 (the optional ft extra)
 
     server = LighthouseServer(bind=f"[::]:{a.port}", min_replicas=a.min_replicas, join_timeout_ms=a.join_timeout_ms,
                               heartbeat_timeout_ms=a.heartbeat_timeout_ms)

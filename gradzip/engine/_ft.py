@@ -13,10 +13,12 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 from torch import Tensor
@@ -45,7 +47,7 @@ def start_lighthouse(min_replicas: int, port: int = 0, join_timeout_ms: int = 20
     what the replica groups are given, ``.shutdown()`` stops it. ``join_timeout_ms``: how long it
     waits for more replicas once ``min_replicas`` asked for a quorum."""
     torchft()
-    from torchft._torchft import LighthouseServer  # noqa: PLC0415
+    from torchft.coordination import LighthouseServer  # noqa: PLC0415 (public since torchft 0.2)
 
     return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                             heartbeat_timeout_ms=heartbeat_timeout_ms)
@@ -114,31 +116,42 @@ def _transport_at(host: str, timeout: float) -> Any:
     from torchft.checkpointing.http_transport import HTTPTransport  # noqa: PLC0415
 
     class _At(HTTPTransport):  # type: ignore[misc,type-arg]
-        def address(self) -> str:
-            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+        def address(self) -> str:  # torchft's URL with this host in place of the machine's name
+            url = urlsplit(super().address())
+            return urlunsplit((url.scheme, f"{host}:{url.port}", url.path, url.query, url.fragment))
 
     return _At(timeout=timedelta(seconds=timeout), num_chunks=0)
 
 
 def make_group(replica_id: str, lighthouse: str, min_replicas: int, load: Any, save: Any,
-               timeout: float, host: str | None = None) -> Group:
-    """A Manager for this process as a replica group of one rank, speaking to ``lighthouse``.
-    ``load``/``save``: the state a healing peer copies (torchft's HTTP checkpoint transport).
-    ``host``: the address the other groups reach this one at (its store, Manager and checkpoint
-    server); None: this machine's loopback store and hostname (every group on one machine)."""
+               timeout: float, host: str | None = None, rank: int = 0, world: int = 1,
+               share_port: Callable[[int], int] | None = None) -> Group:
+    """A Manager for this process as rank ``rank`` of a replica group of ``world`` ranks,
+    speaking to ``lighthouse``. ``load``/``save``: the state a healing peer copies (torchft's HTTP
+    checkpoint transport; each rank heals from the same rank of a live group). ``host``: the
+    address the other groups reach this one at (its store, Manager and checkpoint server); None:
+    this machine's loopback store and hostname (every group on one machine). The group's store is
+    rank 0's; ``share_port`` (needed when ``world`` > 1) gives every rank rank 0's store port (a
+    broadcast inside the group); torchft's Manager server runs on rank 0, and the quorum and the
+    commit cover the group's ranks together."""
     ft = torchft()
     from torch.distributed import TCPStore  # noqa: PLC0415
 
     addr = host or "127.0.0.1"
-    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = store.port if store is not None else 0
+    if world > 1:
+        if share_port is None:
+            raise ValueError("a replica group of several ranks needs share_port")
+        port = share_port(port)
     pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout))
     where: dict[str, Any] = {} if host is None else {"hostname": host,
                                                       "checkpoint_transport": _transport_at(host, timeout)}
     manager = ft.Manager(pg=pg, load_state_dict=load, state_dict=save, min_replica_size=min_replicas,
                          use_async_quorum=False, timeout=timedelta(seconds=timeout),
                          quorum_timeout=timedelta(seconds=max(timeout, 60.0)),
-                         connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1,
-                         store_addr=addr, store_port=store.port, lighthouse_addr=lighthouse,
+                         connect_timeout=timedelta(seconds=timeout), rank=rank, world_size=world,
+                         store_addr=addr, store_port=port, lighthouse_addr=lighthouse,
                          replica_id=replica_id, init_sync=True, **where)
     recorder = _Recorder(manager._client)
     manager._client = recorder  # the quorum goes through the recorder from now on

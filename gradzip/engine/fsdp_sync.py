@@ -43,6 +43,17 @@ from gradzip.engine.stats import StepStats
 from gradzip.engine.synchronizer import OptimizerStep
 
 
+@contextlib.contextmanager
+def gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    """FSDP2's gradient reduction off inside (the micro-batches of gradient accumulation before
+    the last), on again after."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
 class _Counted:
     """Bytes this rank sent through one kind of FSDP's own collectives."""
 
@@ -145,13 +156,8 @@ class FSDPSync:
         self._t0 = time.perf_counter()
         yield
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return gradient_sync_off(self.model)
 
     def after_backward(self, stepper: OptimizerStep) -> None:
         """Nothing: FSDP reduced the gradients inside backward."""

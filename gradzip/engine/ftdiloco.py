@@ -1,8 +1,9 @@
 """``--sync ftdiloco``: DiLoCo that survives its replicas, on torchft (``pip install "gradzip[ft]"``).
 
-Every process is one *replica group* (one rank; its own ``gradzip train`` run) with a torchft
-Manager; a Lighthouse (``lighthouse=local``: started in this process; else its ``http://host:port``)
-forms a quorum of the groups alive at each sync. Per sync, every ``every`` inner steps:
+Every ``gradzip train`` run is one *replica group* of one or more gloo ranks, each rank with a
+torchft Manager of the group (rank 0's serves the group's quorum); a Lighthouse
+(``lighthouse=local``: started by rank 0; else its ``http://host:port``) forms a quorum of the
+groups alive at each sync. Per sync, every ``every`` inner steps:
 
 1. quorum: ``manager.start_quorum()``; a group behind the quorum's step *heals* first (below);
 2. Δ = θ_global − θ_local goes through the gradzip compressor (``--compressor``, error feedback
@@ -26,6 +27,12 @@ against a θ_global the cluster moved on from), contributes weight 0 to that syn
 sha256 digest of θ_global and the outer state, equal on every replica. **No fresh state wins**: a
 quorum whose highest step is 0 holds only newborn groups; it commits only when it holds all
 ``groups`` (the run's founding sync), never when a restarted group finds itself alone.
+
+A group of several ranks (``local``: their communicator) is DDP inside: every inner step's
+gradients are averaged over its ranks (:meth:`FTDiLoCo.reduce_gradients`), so they hold one
+θ_local; rank 0 alone compresses and exchanges Δ for the group (steps 2–3 below) and broadcasts the
+averaged update to the others, and every rank takes the same outer step. torchft heals each rank
+from the same rank of a live group.
 
 Streaming DiLoCo (``fragments=P``, :mod:`gradzip.engine.ftsync_fragments`): fragment f of the
 parameters syncs at inner step (f + 1)·H/P of each period, each in a quorum and commit of its own,
@@ -51,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.comm.cost import allreduce_bytes
+from gradzip.comm.cost import allreduce_bytes, broadcast_bytes
 from gradzip.compress.registry import create
 from gradzip.engine import _ft
 from gradzip.engine.ftsync_fragments import KEY, FragmentExchange, FragmentPlan
@@ -69,7 +76,9 @@ class FTDiLoCo(FragmentExchange):
     the fresh-state guard, only to show the failure it prevents. ``log``: the ``ft.jsonl`` path.
     ``host``: the address the other groups reach this one at (None: all on this machine).
     ``standby``: a warm spare: everything is built, then the group waits until this file exists
-    before its Manager starts (and so before the Lighthouse sees it)."""
+    before its Manager starts (and so before the Lighthouse sees it). ``local``: the communicator
+    of the replica group's own ranks when it has several (DDP inside the group, module docstring);
+    None: a group of one rank."""
 
     eval_on_every_rank = False
     mode = "ftdiloco"  # the --sync mode, in messages
@@ -78,7 +87,7 @@ class FTDiLoCo(FragmentExchange):
                  every: int, compressor: str = "none", *, groups: int, group: int, lighthouse: str,
                  min_replicas: int = 1, lighthouse_port: int = 29510, timeout: float = 30.0,
                  log: str | Path | None = None, guard: bool = True, fragments: int = 1,
-                 host: str | None = None, standby: str | Path | None = None) -> None:
+                 host: str | None = None, standby: str | Path | None = None, local: Any = None) -> None:
         if groups < 1 or not 0 <= group < groups:
             raise GradzipError(f"--sync {self.mode}: group={group} must be in [0, groups={groups})")
         if not 1 <= min_replicas <= groups:
@@ -92,7 +101,9 @@ class FTDiLoCo(FragmentExchange):
                                "fault-tolerant exchange is one allgather of payloads: use a single-round compressor")
         self.spec, self.model, self.inner, self.outer = self.comp.spec, model, inner, outer
         self.every, self.groups, self.group, self.min_replicas = every, groups, group, min_replicas
-        self.guard, self.log = guard, Path(log) if log else None
+        self.local = local
+        self.rank, self.size = (local.rank, local.world_size) if local is not None else (0, 1)
+        self.guard, self.log = guard, Path(log) if log and self.rank == 0 else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.plan = FragmentPlan.split([p.numel() for p in self.params], every, fragments, self.mode)
         with torch.no_grad():
@@ -106,18 +117,24 @@ class FTDiLoCo(FragmentExchange):
         self._bad = 0
         self._norms: list[float] = []
         self._t_step: float | None = None  # when this step's forward began
+        self._intra = 0  # bytes this rank sent inside its group since the last step's stats
         self.last_schedule: list[Any] = []
         self.last_digest = ""
         if standby is not None:
             _ft.await_file(Path(standby))
         server = None
-        if lighthouse == "local":
-            server = _ft.start_lighthouse(min_replicas, port=lighthouse_port)
-            lighthouse = server.address()
+        if lighthouse == "local":  # started by the group's rank 0; its port, to the others
+            if self.rank == 0:
+                server = _ft.start_lighthouse(min_replicas, port=lighthouse_port)
+                lighthouse = server.address()
+            if self.size > 1:
+                port = self._share_port(int(lighthouse.rsplit(":", 1)[1]) if server is not None else 0)
+                lighthouse = lighthouse if server is not None else f"http://{host or '127.0.0.1'}:{port}"
         else:
             _ft.check_lighthouse(lighthouse)
         self.ft = _ft.make_group(f"gradzip_group_{group}", lighthouse, min_replicas, self._load_peer,
-                                 self._peer_state, timeout, host=host)
+                                 self._peer_state, timeout, host=host, rank=self.rank, world=self.size,
+                                 share_port=self._share_port)
         self.ft.lighthouse = server
 
     # ------------------------------------------------------------------ the library API
@@ -127,7 +144,8 @@ class FTDiLoCo(FragmentExchange):
         return self.weights[0]
 
     def add_tokens(self, n: float) -> None:
-        """Count ``n`` tokens this group trained on (the weight of its next pseudo-gradients)."""
+        """Count ``n`` tokens this rank trained on (the weight of the group's next pseudo-gradients is
+        that times its ranks: each trains on as many)."""
         self._tokens_given = True
         self.weights = [w + float(n) for w in self.weights]
 
@@ -155,7 +173,7 @@ class FTDiLoCo(FragmentExchange):
     # ------------------------------------------------------------------ the Synchronizer protocol
     @property
     def worker_ids(self) -> list[int]:
-        return [0]  # one rank per replica group
+        return [self.rank]  # this rank of its replica group
 
     @property
     def exchange(self) -> str:
@@ -164,7 +182,7 @@ class FTDiLoCo(FragmentExchange):
     def summary(self) -> dict[str, Any]:
         """``summary.json``: this group, the run's groups, the quorum floor, the last digest."""
         out = {"ft_group": self.group, "ft_groups": self.groups, "ft_min_replicas": self.min_replicas,
-               "ft_syncs": self.ft.manager.current_step(), "ft_digest": self.last_digest}
+               "ft_syncs": self.ft.manager.current_step(), "ft_digest": self.last_digest, "ft_ranks": self.size}
         return out if self.plan.count == 1 else {**out, "ft_fragments": self.plan.count}
 
     def fp32_bytes(self, n_params: int) -> int:
@@ -184,7 +202,9 @@ class FTDiLoCo(FragmentExchange):
         return contextlib.nullcontext()
 
     def after_backward(self, stepper: OptimizerStep) -> None:
-        """The inner step on the local gradient, or a skip when it is not finite."""
+        """The inner step on the gradient (averaged over the group's ranks when it has several: the
+        same on each, so the skip is the group's), or a skip when it is not finite."""
+        self.reduce_gradients()
         sums = [torch.sum(p.grad, dtype=torch.float32) for p in self.params if p.grad is not None]
         if not sums or bool(torch.isfinite(torch.stack(sums).sum())):
             self._norms.append(stepper.step())
@@ -194,16 +214,19 @@ class FTDiLoCo(FragmentExchange):
 
     def synchronize(self) -> StepStats:
         """Count the inner step; every ``every``-th, the sync. Bytes: this group's payload (its
-        join sync's on its first step); ``syncs``: 1 for a committed sync (join syncs, which carry
-        no update of their own unless a resumed group brings one, are in ``ft`` alone)."""
+        join sync's on its first step; sent by rank 0), and in a group of several ranks the
+        gradient average and the update's broadcast inside it (``intra_bytes_sent``); ``syncs``:
+        1 for a committed sync (join syncs, which carry no update of their own unless a resumed
+        group brings one, are in ``ft`` alone)."""
         t0 = time.perf_counter()
         compute = t0 - (self._t_step or t0)
         rec = self.inner_step_done() or self._join_rec
         self._join_rec = None
-        sent = int((rec or {}).get("bytes", {}).get(f"gradzip_group_{self.group}", 0))
+        sent = int((rec or {}).get("bytes", {}).get(f"gradzip_group_{self.group}", 0)) if self.rank == 0 else 0
         dt = time.perf_counter() - t0
-        return StepStats(compute_s=compute, compress_s=0.0, comm_s=dt, bytes_sent=sent, bytes_recv=0,
-                         step_s=compute + dt,
+        intra, self._intra = self._intra, 0
+        return StepStats(compute_s=compute, compress_s=0.0, comm_s=dt, bytes_sent=sent + intra, bytes_recv=0,
+                         step_s=compute + dt, intra_bytes_sent=intra,
                          clock="measured", link_s=dt, nonfinite=self._bad,
                          syncs=int(bool(rec and rec["committed"] and not rec["join"])), ft=rec)
 
@@ -268,7 +291,7 @@ class FTDiLoCo(FragmentExchange):
             m.report_error(GradzipError(f"quorum of {len(members)} newborn group(s) of {self.groups}: "
                                         "a fresh state never commits before the founding quorum"))
             rec["refused"] = "fresh"
-        elif m.errored() is None:
+        elif m.errored() is None and self.rank == 0:  # rank 0 exchanges for its group (docstring)
             try:
                 results, ctx = self._exchange(frag, m.num_participants())
                 rec["bytes"] = {f"gradzip_group_{int(h[2])}": _ft.payload_nbytes(p) for h, p in results}
@@ -316,6 +339,41 @@ class FTDiLoCo(FragmentExchange):
         """sha256 of θ_global and the outer optimizer's state (equal on every replica after a sync)."""
         return _ft.digest(self.global_, self.outer.state_dict())
 
+    # ------------------------------------------------------------------ inside a group of several ranks
+    def _share_port(self, port: int) -> int:
+        """Rank 0's store port, to every rank of the group (a broadcast on the group's communicator)."""
+        t = torch.tensor([port], dtype=torch.int64)
+        self.local.broadcast(t, 0)
+        return int(t.item())
+
+    def reduce_gradients(self) -> None:
+        """DDP inside the group: each gradient becomes its mean over the group's ranks (one flat
+        fp32 allreduce on the group's communicator, which times it out and names a lost rank).
+        Call it after ``backward()`` and before the inner step; nothing with a group of one rank."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.size == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        self.local.allreduce(flat, "sum")
+        flat.div_(self.size)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+        self._intra += allreduce_bytes(4 * flat.numel(), self.size)
+
+    def _share_update(self, frag: int, avg: Tensor | None) -> Tensor | None:
+        """Rank 0's averaged pseudo-gradient of fragment ``frag`` (or None: every weight was 0), to
+        every rank of the group, which then takes the same outer step."""
+        n = sum(self.global_[i].numel() for i in self.plan.parts[frag])
+        buf = torch.zeros(n + 1, dtype=torch.float32)  # the last value: 1 when there is an update
+        if self.rank == 0 and avg is not None:
+            buf[:n].copy_(avg)
+            buf[n] = 1.0
+        self.local.broadcast(buf, 0)
+        self._intra += broadcast_bytes(4 * (n + 1), self.size, self.rank)[0]
+        return buf[:n] if buf[n] > 0 else None
+
     def _write(self, rec: dict[str, Any]) -> None:
         if self.log is not None:
             self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -361,15 +419,17 @@ def check_reachable(sync: SyncSpec) -> None:
 
 def group_kwargs(target: Any, s: SyncSettings) -> dict[str, Any]:
     """The replica group's keyword arguments of :class:`FTDiLoCo` from ``--sync`` (:func:`options`),
-    for a run of one rank (``--backend gloo --workers 1``); a :class:`GradzipError` otherwise."""
-    if getattr(target, "world_size", None) != 1:
-        raise GradzipError(f"--sync {s.sync.mode} runs one rank per replica group: start each group as its own "
-                           "gradzip train --backend gloo --workers 1 run, with group=I")
+    for a run on real ranks (``--backend gloo --workers R``: the group's R ranks, DDP inside it);
+    a :class:`GradzipError` otherwise."""
+    if not isinstance(getattr(target, "world_size", None), int) or not hasattr(target, "broadcast"):
+        raise GradzipError(f"--sync {s.sync.mode} runs each replica group on real ranks: start each group as its "
+                           "own gradzip train --backend gloo --workers R run, with group=I")
     o = options(s.sync)
     return {"groups": o["groups"], "group": o["group"], "lighthouse": o["lighthouse"],
             "min_replicas": o["min_replicas"], "lighthouse_port": o["lighthouse_port"], "host": o["host"],
             "standby": o["standby"], "timeout": s.timeout or 30.0,
-            "log": Path(s.log_dir) / "ft.jsonl" if s.log_dir else None}
+            "log": Path(s.log_dir) / "ft.jsonl" if s.log_dir else None,
+            "local": target if target.world_size > 1 else None}
 
 
 def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Any,

@@ -94,7 +94,11 @@ class FragmentExchange:
         plan: FragmentPlan
         weights: list[float]
         group: int
+        rank: int
+        size: int
         _healed: bool
+
+        def _share_update(self, frag: int, avg: Tensor | None) -> Tensor | None: ...
 
     def _exchange(self, frag: int | None, world: int) -> tuple[Results, Any]:
         """Fragment ``frag``'s pseudo-gradient compressed and allgathered with its header (weight,
@@ -110,6 +114,7 @@ class FragmentExchange:
             self.comp.end_step(False)
             self.comp.begin_step()
             payload = ()
+        weight *= self.size  # the group's tokens: each of its ranks trained on as many
         header = [weight, float(self._healed), float(self.group), -1.0 if frag is None else float(frag)]
         results = _ft.allgather_payloads(self.ft.pg, payload, header, world)
         if any(h[3] != header[3] for h, _ in results):
@@ -147,7 +152,9 @@ class FragmentExchange:
     def _apply(self, frag: int, results: Results, ctx: Any) -> None:
         """The committed sync of fragment ``frag``: the outer step on its averaged Δ (skipped when
         every weight is 0), then θ_local ← θ_global on its parameters; its weight starts again."""
-        avg = self._average(results, ctx)
+        avg = self._average(results, ctx) if self.rank == 0 else None
+        if self.size > 1:  # rank 0 exchanged for the group: its update, to every rank
+            avg = self._share_update(frag, avg)
         if avg is not None:
             self._outer_step(frag, avg)
         for i in self.plan.parts[frag]:

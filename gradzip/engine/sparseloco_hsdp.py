@@ -43,7 +43,7 @@ from gradzip.comm.cost import allreduce_bytes, reduce_scatter_bytes
 from gradzip.comm.torch_backend import DEFAULT_TIMEOUT_S, TorchCommunicator
 from gradzip.compress.registry import create
 from gradzip.engine.fsdp_compat import fsdp_units
-from gradzip.engine.fsdp_sync import _Counted, _CountingAllGather, _CountingReduceScatter
+from gradzip.engine.fsdp_sync import _Counted, _CountingAllGather, _CountingReduceScatter, gradient_sync_off
 from gradzip.engine.handshake import check_agreement, fingerprint
 from gradzip.engine.modes import SyncSettings, register_sync
 from gradzip.engine.schemes import SchemeState
@@ -131,13 +131,8 @@ class HSDPSparseLoCo:
         self._t0 = time.perf_counter()
         yield
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return gradient_sync_off(self.model)
 
     def after_backward(self, stepper: OptimizerStep) -> None:
         """The node's inner step on its reduced gradients, or a skip by every rank of the node when

@@ -168,11 +168,15 @@ FT_MODES = ("ftdiloco", "ftsparseloco")  # the fault-tolerant --sync modes: one 
 
 
 def check_ft(cfg: Any, source: str) -> None:
-    """``--sync ftdiloco``/``ftsparseloco``: one gloo rank per replica group, its keys in range
-    (torchft and the Lighthouse: :meth:`TrainConfig.check_runtime`)."""
+    """``--sync ftdiloco``/``ftsparseloco``: each replica group one gloo run of one or more ranks
+    (DDP inside the group), its keys in range (torchft and the Lighthouse:
+    :meth:`TrainConfig.check_runtime`)."""
     from gradzip.engine.ftdiloco import options
 
-    if cfg.backend != "gloo" or cfg.workers != 1:
-        raise GradzipError(f"{_pre(source)}--sync {cfg.sync_spec.mode} runs each replica group as its own run: "
-                           f"--backend gloo --workers 1 (got --backend {cfg.backend} --workers {cfg.workers})")
+    if cfg.backend != "gloo":
+        raise GradzipError(f"{_pre(source)}--sync {cfg.sync_spec.mode} runs each replica group as its own run on "
+                           f"--backend gloo (got --backend {cfg.backend})")
+    if cfg.sharding != "none":
+        raise GradzipError(f"{_pre(source)}--sync {cfg.sync_spec.mode} replicates the model inside a replica group "
+                           f"(DDP over its --workers); --{cfg.sharding} is not supported there: drop it")
     options(cfg.sync_spec)
