@@ -229,6 +229,8 @@ FAKE_TRAIN = """import sys, time, pathlib
 sync = sys.argv[sys.argv.index("--sync") + 1]
 go = dict(kv.split("=", 1) for kv in sync.split(":", 1)[1].split(",")).get("standby")
 print("started", sync, flush=True)
+if go:
+    pathlib.Path(go + ".waiting").touch()
 while go and not pathlib.Path(go).exists():
     time.sleep(0.02)
 print("joined", flush=True)
@@ -238,10 +240,11 @@ time.sleep(60)
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
-def test_a_restart_activates_the_warm_spare_and_starts_another(tmp_path):
-    """With --warm-spare, each group has a standby process waiting on its go file; a restart
-    creates that file (the spare joins, its launch event is then) and starts a new spare behind it;
-    a group whose spare died restarts cold. Teardown ends every process, spares included."""
+def test_a_restart_brings_in_a_built_spare_and_starts_another(tmp_path):
+    """--warm-spare 2: each group's spares are built (``go.waiting``) before the founders start; a
+    restart brings in a built one (its go file, normal priority, its launch event then) and starts
+    a new one behind it at niceness 19; with no live spare left the restart is cold. Teardown ends
+    every process, spares included."""
     from gradzip.chaos import harness, procs
 
     fake = tmp_path / "fake_python.py"
@@ -250,42 +253,50 @@ def test_a_restart_activates_the_warm_spare_and_starts_another(tmp_path):
     wrapper.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {fake} \"$@\"\n")
     wrapper.chmod(0o755)
     out = tmp_path / "run"
-    h = harness.Harness(harness.Settings(out=str(out), hosts=0, groups=2, warm_spare=True, python=str(wrapper)))
+    h = harness.Harness(harness.Settings(out=str(out), hosts=0, groups=2, warm_spare=2, python=str(wrapper)))
     out.mkdir()
     h.events = (out / "events.jsonl").open("a")
     h.lighthouse_addr = "http://127.0.0.1:1"
+
+    def log(p: harness.Proc) -> bytes:
+        return (p.out.parent / f"log{p.inc}.txt").read_bytes()
+
     try:
+        h._build_spares()
+        assert [[(p.inc, harness._ready(p)) for p in h.spares[g]] for g in (0, 1)] == [[(0, True), (1, True)]] * 2
         for g in range(2):
             h._launch(g)
-            h._launch(g, standby=True)
-        spare = h.spares[0]
-        assert spare.inc == 1 and h.procs[0].inc == 0
+        first = h.spares[0][0]
         h.procs[0].popen.kill()
         p = h._activate(0)
-        assert p is spare and h.procs[0] is spare and (spare.out / harness.GO_FILE).exists()
-        assert h.spares[0].inc == 2 and h.spares[0].popen.poll() is None
+        assert p is first and h.procs[0] is first and (first.out / harness.GO_FILE).exists()
+        behind = h.spares[0][-1]
+        assert [q.inc for q in h.spares[0]] == [1, 3] and behind.popen.poll() is None
         wait = time.monotonic() + 30
-        while b"joined" not in (spare.out.parent / "log1.txt").read_bytes():
+        while b"joined" not in log(first):
             assert time.monotonic() < wait, "the spare never saw its go file"
             time.sleep(0.05)
-        assert b"standby=" in (spare.out.parent / "log1.txt").read_bytes()
-        assert os.getpriority(os.PRIO_PROCESS, h.spares[0].popen.pid) == procs.SPARE_NICE  # waiting: niced
-        if os.geteuid() == 0:  # brought in: back to the normal priority (lowering it needs root)
-            assert os.getpriority(os.PRIO_PROCESS, spare.popen.pid) == 0
-        assert b"standby=" not in (spare.out.parent / "log0.txt").read_bytes()
-        h.spares[1].popen.kill()
-        h.spares[1].popen.wait()
+        assert b"standby=" in log(first) and b"standby=" not in log(h.procs[1])
+        assert os.getpriority(os.PRIO_PROCESS, behind.popen.pid) == procs.SPARE_NICE  # a replacement: niced
+        if os.geteuid() == 0:  # brought in: the normal priority (lowering it needs root)
+            assert os.getpriority(os.PRIO_PROCESS, first.popen.pid) == 0
+        for q in h.spares[1]:
+            q.popen.kill()
+            q.popen.wait()
         h._tick_spares()
-        cold = h._activate(1)  # its spare is gone: a new process, no go file needed; a new spare behind it
-        assert cold.inc == 2 and h.spares[1].inc == 3
+        assert h.spares[1] == []
+        cold = h._activate(1)  # no spare left: a new process, no go file needed; a new spare behind it
+        assert b"standby=" not in log(cold) and [q.inc for q in h.spares[1]] == [cold.inc + 1]
     finally:
         h._teardown()
     assert all(p.popen.poll() is not None for p in h.history)
     ev = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     launches = [(e["group"], e["inc"], e.get("warm", False)) for e in ev if e["event"] == "launch"]
-    assert launches == [(0, 0, False), (1, 0, False), (0, 1, True), (1, 2, False)]
-    assert [(e["group"], e["inc"]) for e in ev if e["event"] == "spare"] == [(0, 1), (1, 1), (0, 2), (1, 3)]
-    assert [(e["group"], e["inc"]) for e in ev if e["event"] == "spare-exit"] == [(1, 1)]
+    assert launches == [(0, 2, False), (1, 2, False), (0, 0, True), (1, 3, False)]
+    spares = [(e["group"], e["inc"], e["nice"]) for e in ev if e["event"] == "spare"]
+    assert spares == [(0, 0, False), (0, 1, False), (1, 0, False), (1, 1, False), (0, 3, True), (1, 4, True)]
+    assert sorted((e["group"], e["inc"]) for e in ev if e["event"] == "spare-exit") == [(1, 0), (1, 1)]
+    assert next(e for e in ev if e["event"] == "spares")["ready"] == 4
 
 
 # ---------------------------------------------------------------------- bad input

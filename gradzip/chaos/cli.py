@@ -66,9 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "on; off: one queue, to measure the difference)")
     a("--probe-control", action="store_true", help="time a request to the Lighthouse from the last host every "
       "0.1 s, with the hosts' queued bytes and the heartbeats' ages (control_probe.jsonl; needs --hosts >= 2)")
-    a("--warm-spare", action="store_true", help="keep a built, idle standby process per group (imports, model and "
-      "data done, its Manager not started); a killed or late group's spare joins at once and a new spare starts "
-      "behind it (default: a restart is a new process)")
+    a("--warm-spare", type=int, nargs="?", const=1, default=0, metavar="K", help="keep K built, idle standby "
+      "processes per group (imports, model and data done, Manager not started; K = 1 when given alone), built "
+      "before the founders start; a killed or late group's spare joins at once and a new one starts behind it "
+      "at niceness 19 (default 0: a restart is a new process)")
     a("--loss-bound", type=float, default=0.5, help="a heal's loss jump above this (nat) is a discontinuity")
     cp = sub.add_parser("control-plane", help="control-plane latency of --probe-control runs, idle and during "
                         "exchanges (control_plane.json, .md)")
@@ -95,6 +96,8 @@ def settings(args: argparse.Namespace) -> Any:
     for name in ("duration", "recovery", "stall", "partition", "late_at", "timeout"):
         if not getattr(args, name) > 0:
             raise GradzipError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name):g}")
+    if args.warm_spare < 0:
+        raise GradzipError(f"--warm-spare must be >= 0 spares per group, got {args.warm_spare}")
     if args.every < 1:
         raise GradzipError(f"--every must be >= 1, got {args.every}")
     if args.probe_control and args.hosts < 2:

@@ -9,11 +9,12 @@ address (``host=``). With ``hosts`` = 0 everything runs on this machine over loo
 partition faults then).
 
 Restarts: a killed group comes back ``recovery`` seconds later as a new process (a cold start:
-interpreter, imports, model, data, then its join sync), or with ``warm_spare`` as its *warm spare*:
-a process started ahead of time with ``standby=FILE`` in its ``--sync``, built and idle, whose
-Manager starts only when the harness creates FILE; a new spare is started behind it at once. A
-spare starts at niceness 19, so that its start-up takes no CPU from the live groups on a shared
-machine (as a spare on a machine of its own would not), and is set back to 0 when brought in.
+interpreter, imports, model, data, then its join sync), or with ``warm_spare`` = K as one of its K
+*warm spares*: processes started ahead of time with ``standby=FILE`` in their ``--sync``, built and
+idle (``FILE.waiting`` says so), whose Manager starts only when the harness creates FILE. The first
+K per group are built before the founders start; each one brought in is replaced at once by a new
+one at niceness 19, so that its start-up takes no CPU from the live groups on a shared machine (as
+a spare on a machine of its own would not); a spare brought in is set back to niceness 0.
 
 Time: the clock starts at the *founding sync* (the first committed join sync of the founding
 groups); faults and late starts are placed from it, and the run ends ``duration`` seconds after it:
@@ -41,6 +42,7 @@ from typing import IO, Any
 
 from gradzip.chaos import control, procs, schedule
 from gradzip.chaos.procs import signal_tree
+from gradzip.chaos.timeline import Timeline
 from gradzip.errors import GradzipError
 from gradzip.netem import shaping, testbed
 from gradzip.netem.iproute import HOST_IF, run_tool, tool
@@ -85,7 +87,7 @@ class Settings:
     train_args: list[str] = field(default_factory=list)
     control_priority: bool = True  # the Lighthouse's port in each host's priority class (shaping.prioritize_ports)
     probe_control: bool = False  # time the control plane from the last host (gradzip.chaos.control)
-    warm_spare: bool = False  # a built, idle standby process per group replaces a killed one at once
+    warm_spare: int = 0  # built, idle standby processes per group; one replaces a killed group at once
     python: str = sys.executable
 
     @property
@@ -110,46 +112,6 @@ class Proc:
     ended_by_us: bool = False
 
 
-class Timeline:
-    """Tails every group process's ``ft.jsonl`` and ``metrics.jsonl`` and appends each new line,
-    stamped, to ``timeline.jsonl``; keeps the ft records in memory for the harness's decisions."""
-
-    def __init__(self, path: Path, t_start: float) -> None:
-        self.f = path.open("a", encoding="utf-8")
-        self.t_start = t_start
-        self.offsets: dict[Path, int] = {}
-        self.ft: list[dict[str, Any]] = []
-
-    def poll(self, procs: list[Proc]) -> None:
-        now = time.monotonic() - self.t_start
-        for p in procs:
-            for name in ("ft.jsonl", "metrics.jsonl"):
-                for rec in self._new_lines(p.out / name):
-                    row = {"t": round(now, 3), "group": p.group, "inc": p.inc}
-                    if name == "ft.jsonl":
-                        row.update(kind="ft", rec=rec)
-                        self.ft.append(row)
-                    else:
-                        row.update(kind="step", step=rec.get("step"), loss=rec.get("loss"),
-                                   eval_loss=rec.get("eval_loss"))
-                    self.f.write(json.dumps(row) + "\n")
-        self.f.flush()
-
-    def _new_lines(self, path: Path) -> list[dict[str, Any]]:
-        if not path.exists():
-            return []
-        off = self.offsets.get(path, 0)
-        with path.open("rb") as f:
-            f.seek(off)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # complete lines only
-        self.offsets[path] = off + end
-        return [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
-
-    def close(self) -> None:
-        self.f.close()
-
-
 class Harness:
     """Runs one chaos run (module docstring). :meth:`run` returns the output directory."""
 
@@ -159,7 +121,7 @@ class Harness:
         self.tb: testbed.Testbed | None = None
         self.created = False
         self.procs: dict[int, Proc] = {}  # each group's newest process
-        self.spares: dict[int, Proc] = {}  # each group's warm spare (--warm-spare), waiting for its go file
+        self.spares: dict[int, list[Proc]] = {}  # each group's warm spares (--warm-spare), oldest first
         self.history: list[Proc] = []  # every process, in launch order
         self.incs: dict[int, int] = {}
         self.partitioned: set[int] = set()
@@ -187,10 +149,9 @@ class Harness:
             self._testbed_up()
             self._start_lighthouse()
             self._start_probe()
+            self._build_spares()
             for g in range(s.groups - s.late):
                 self._launch(g)
-            for g in range(s.groups) if s.warm_spare else ():
-                self._launch(g, standby=True)
             self._wait_founding()
             for i, f in enumerate(faults):
                 self._at(f.t, f.kind, {"fault": i, "target": f.target, "duration": f.duration})
@@ -259,7 +220,7 @@ class Harness:
         if self.probe is not None:  # first: its last samples see live groups, not their teardown
             self.probe.terminate()
             self.probe.wait(15)
-        for p in [*self.procs.values(), *self.spares.values()]:
+        for p in [*self.procs.values(), *(q for ps in self.spares.values() for q in ps)]:
             if p.popen.poll() is None:
                 p.ended_by_us = True
                 signal_tree(p.popen.pid, signal.SIGCONT)
@@ -290,9 +251,10 @@ class Harness:
             self.events.close()
 
     # ------------------------------------------------------------------ the groups
-    def _launch(self, g: int, standby: bool = False) -> Proc:
+    def _launch(self, g: int, standby: bool = False, nice: bool = False) -> Proc:
         """Group ``g``'s next process; ``standby``: a warm spare, which builds everything and then
-        waits for its go file (:meth:`_activate`) before its Manager starts."""
+        waits for its go file (:meth:`_activate`) before its Manager starts; ``nice``: at niceness
+        19."""
         s = self.s
         inc = self.incs.get(g, -1) + 1
         self.incs[g] = inc
@@ -313,32 +275,49 @@ class Harness:
                *s.train_args]
         log = (out.parent / f"log{inc}.txt").open("wb")
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True,
-                                 preexec_fn=procs.nice_spare if standby else None)
+                                 preexec_fn=procs.nice_spare if nice else None)
         p = Proc(g, inc, popen, out, log)
         self.history.append(p)
         if standby:
-            self.spares[g] = p
-            self._event("spare", group=g, inc=inc, host=host, pid=popen.pid)
+            self.spares.setdefault(g, []).append(p)
+            self._event("spare", group=g, inc=inc, host=host, pid=popen.pid, nice=nice)
         else:
             self.procs[g] = p
             self._event("launch", group=g, inc=inc, host=host, pid=popen.pid)
         return p
 
+    def _build_spares(self) -> None:
+        """``warm_spare`` spares per group, at normal priority, all built before the founders start
+        (outside the measured window); a spare that does not get there in time is left to finish."""
+        for g in range(self.s.groups):
+            for _ in range(self.s.warm_spare):
+                self._launch(g, standby=True)
+        deadline = self._now() + FOUNDING_LIMIT_S
+        while not all(_ready(p) or p.popen.poll() is not None for ps in self.spares.values() for p in ps):
+            if self._now() > deadline:
+                break
+            time.sleep(POLL_S)
+        if self.spares:
+            self._event("spares", ready=sum(_ready(p) for ps in self.spares.values() for p in ps))
+
     def _activate(self, g: int) -> Proc:
-        """Group ``g`` (re)starts: its warm spare, if it has a live one, is told to go (its
-        ``launch`` event is now: the report's start-up is go → first quorum request) and a new spare
-        is started behind it; otherwise a new process (a cold start)."""
-        spare = self.spares.pop(g, None)
-        if spare is None or spare.popen.poll() is not None:
+        """Group ``g`` (re)starts: one of its warm spares, if it has a live one (a built one first),
+        is told to go, at normal priority (its ``launch`` event is now: the report's start-up is
+        go → first quorum request), and a new spare (niceness 19) is started behind it; otherwise a
+        new process (a cold start)."""
+        live = [p for p in self.spares.get(g, []) if p.popen.poll() is None]
+        spare = next((p for p in live if _ready(p)), live[0] if live else None)
+        if spare is None:
             p = self._launch(g)
         else:
+            self.spares[g].remove(spare)
             reniced = procs.renice(spare.popen.pid, 0)
             (spare.out / GO_FILE).touch()
             self.procs[g] = p = spare
             self._event("launch", group=g, inc=spare.inc, host=g % max(self.s.hosts, 1), pid=spare.popen.pid,
-                        warm=True, reniced=reniced)
+                        warm=True, ready=_ready(spare), reniced=reniced)
         if self.s.warm_spare:
-            self._launch(g, standby=True)
+            self._launch(g, standby=True, nice=True)
         return p
 
     def _wait_founding(self) -> None:
@@ -384,11 +363,11 @@ class Harness:
         self._tick_spares()
 
     def _tick_spares(self) -> None:
-        """Record a spare that died (the group's next start is cold)."""
-        for g, p in list(self.spares.items()):
+        """Record a spare that died (and drop it)."""
+        for g, p in [(g, p) for g, ps in self.spares.items() for p in ps]:
             if (rc := p.popen.poll()) is not None:
                 p.ended_by_us = True
-                del self.spares[g]
+                self.spares[g].remove(p)
                 self._event("spare-exit", group=g, inc=p.inc, rc=rc)
 
     def _loop(self, duration: float) -> None:
@@ -458,3 +437,8 @@ class Harness:
         run_tool("tc", "-n", self.tb.host_ns(h), "filter", "del", "dev", HOST_IF, "parent", "1:", "pref",
                  PARTITION_PREF, check=False)
         self.partitioned.discard(h)
+
+
+def _ready(p: Proc) -> bool:
+    """The spare is built and waiting for its go file."""
+    return (p.out / (GO_FILE + ".waiting")).exists()

@@ -135,13 +135,14 @@ def faults(run: ChaosRun) -> list[dict[str, Any]]:
         for g in groups:
             back = _back(run, e, g)
             nxt = None if back is None else next(
-                (r for r in run.ft if r["group"] == g and r["rel"] > back["rel"] and r["inc"] >= back.get("inc", 0)
-                 and r["rec"]["committed"]), None)
+                (r for r in run.ft if r["group"] == g and r["rel"] > back["rel"]
+                 and r["inc"] == back.get("inc", r["inc"]) and r["rec"]["committed"]), None)
             rec.append(None if nxt is None else nxt["rel"] - e["rel"])
         f["recovery_s"] = None if None in rec or not rec else round(max(rec), 2)
         f["groups"] = groups
-        if e["event"] == "kill":
-            f.update(_restart(run, e["group"], e["inc"] + 1))
+        if e["event"] == "kill":  # the process brought in: a new one, or a warm spare (any incarnation)
+            back = _back(run, e, e["group"])
+            f.update(_restart(run, e["group"], back["inc"]) if back else {"startup_s": None, "healed": None})
         out.append(f)
     return out
 
@@ -158,7 +159,7 @@ def _back(run: ChaosRun, fault: dict[str, Any], g: int) -> dict[str, Any] | None
     for e in run.events:
         if e["rel"] < fault["rel"] or e["event"] != want:
             continue
-        if want == "launch" and e["group"] == g and e["inc"] > fault["inc"]:
+        if want == "launch" and e["group"] == g and e["inc"] != fault["inc"]:
             return e
         if want == "resume" and e["group"] == g:
             return e

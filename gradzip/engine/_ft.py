@@ -55,7 +55,9 @@ def start_lighthouse(min_replicas: int, port: int = 0, join_timeout_ms: int = 20
 
 def await_file(path: Path, poll: float = 0.05) -> None:
     """Block until ``path`` exists: a warm spare's go signal. Its process is built (interpreter,
-    imports, model, data) and idle until then; whoever started it ends it if it is never needed."""
+    imports, model, data) and idle until then, which ``path.waiting`` (created first) tells whoever
+    started it; they end it if it is never needed."""
+    path.with_name(path.name + ".waiting").touch()
     while not path.exists():
         time.sleep(poll)
 

@@ -1,13 +1,13 @@
 #!/bin/sh
 # repro-chaos: 4 ftdiloco replica groups (BERT-tiny, DiLoCo H = 32, topk 1 % + EF) on 2 emulated
 # hosts at 100 Mbit/s, 180 s after the founding sync each; a killed group is replaced after 5 s by
-# its warm spare (--warm-spare). Needs root. Three fault-free baselines (training seeds 1, 2, 3:
+# one of its two warm spares (--warm-spare 2). Needs root. Three fault-free baselines (training seeds 1, 2, 3:
 # the seed spread of the loss) at the start, the middle and the end; 1 fault a minute from four
 # fault seeds; 4 a minute, kills alone and mixed.
 set -e
 OUT=${OUT:-runs/repro-chaos}
 FIG=${FIG:-docs/reproductions/repro-chaos}
-COMMON="--groups 4 --hosts 2 --rate 100mbit --duration 180 --every 32 --recovery 5 --warm-spare
+COMMON="--groups 4 --hosts 2 --rate 100mbit --duration 180 --every 32 --recovery 5 --warm-spare 2
         --model bert-tiny --compressor topk:ratio=0.01,ef=true --batch-size 8 --seq-len 64"
 export OMP_NUM_THREADS=1
 GZ=${GZ:-gradzip}
