@@ -228,7 +228,7 @@ def test_partition_drops_a_hosts_egress_then_restores_it(tmp_path):
 FAKE_TRAIN = """import sys, time, pathlib
 sync = sys.argv[sys.argv.index("--sync") + 1]
 go = dict(kv.split("=", 1) for kv in sync.split(":", 1)[1].split(",")).get("standby")
-print("started", sync, flush=True)
+print("started", " ".join(sys.argv[1:]), flush=True)
 if go:
     pathlib.Path(go + ".waiting").touch()
 while go and not pathlib.Path(go).exists():
@@ -253,7 +253,8 @@ def test_a_restart_brings_in_a_built_spare_and_starts_another(tmp_path):
     wrapper.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {fake} \"$@\"\n")
     wrapper.chmod(0o755)
     out = tmp_path / "run"
-    h = harness.Harness(harness.Settings(out=str(out), hosts=0, groups=2, warm_spare=2, python=str(wrapper)))
+    h = harness.Harness(harness.Settings(out=str(out), hosts=0, groups=2, ranks=2, warm_spare=2,
+                                         python=str(wrapper)))
     out.mkdir()
     h.events = (out / "events.jsonl").open("a")
     h.lighthouse_addr = "http://127.0.0.1:1"
@@ -277,6 +278,7 @@ def test_a_restart_brings_in_a_built_spare_and_starts_another(tmp_path):
             assert time.monotonic() < wait, "the spare never saw its go file"
             time.sleep(0.05)
         assert b"standby=" in log(first) and b"standby=" not in log(h.procs[1])
+        assert b"--workers 2 " in log(first)  # --ranks: each group's gloo ranks
         assert os.getpriority(os.PRIO_PROCESS, behind.popen.pid) == procs.SPARE_NICE  # a replacement: niced
         if os.geteuid() == 0:  # brought in: the normal priority (lowering it needs root)
             assert os.getpriority(os.PRIO_PROCESS, first.popen.pid) == 0
@@ -307,6 +309,8 @@ def test_a_restart_brings_in_a_built_spare_and_starts_another(tmp_path):
     (["--hosts", "0", "--kinds", "partition", "--faults-per-minute", "1"], "testbed"),
     (["--min-replicas", "5"], "--min-replicas"),
     (["--late", "4"], "--late"),
+    (["--ranks", "0"], "--ranks"),
+    (["--warm-spare", "-1"], "--warm-spare"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, words):
     assert main(["chaos", "run", "--out", str(tmp_path / "x"), *argv]) == 2

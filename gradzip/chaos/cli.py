@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = sub.add_parser("run", help="one chaos run: replica groups on the testbed, faults from a seed")
     a = r.add_argument
     a("--out", required=True, help="output directory (must be new or empty)")
-    a("--groups", type=int, default=4, help="replica groups, one gradzip train process each (default 4)")
+    a("--groups", type=int, default=4, help="replica groups, one gradzip train run each (default 4)")
+    a("--ranks", type=int, default=1, help="gloo ranks per group, DDP inside it: each group's --workers "
+      "(default 1)")
     a("--hosts", type=int, default=2, help="emulated hosts the groups are spread over (group g on host g mod "
       "hosts); 0: every group on this machine over loopback, no root needed (default 2)")
     a("--rate", default="100mbit", help="egress rate of every emulated host, e.g. 100mbit (default 100mbit)")
@@ -96,6 +98,8 @@ def settings(args: argparse.Namespace) -> Any:
     for name in ("duration", "recovery", "stall", "partition", "late_at", "timeout"):
         if not getattr(args, name) > 0:
             raise GradzipError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name):g}")
+    if args.ranks < 1:
+        raise GradzipError(f"--ranks must be >= 1 gloo ranks per group, got {args.ranks}")
     if args.warm_spare < 0:
         raise GradzipError(f"--warm-spare must be >= 0 spares per group, got {args.warm_spare}")
     if args.every < 1:
@@ -111,7 +115,7 @@ def settings(args: argparse.Namespace) -> Any:
             parse_rate(args.rate)
         except GradzipError as e:
             raise GradzipError(f"--rate {args.rate}: {e}") from None
-    s = harness.Settings(out=args.out, groups=args.groups, hosts=args.hosts, link_rate=args.rate,
+    s = harness.Settings(out=args.out, groups=args.groups, ranks=args.ranks, hosts=args.hosts, link_rate=args.rate,
                          duration=args.duration, rate=args.faults_per_minute, kinds=kinds, seed=args.seed,
                          recovery=args.recovery, stall=args.stall, partition=args.partition, late=args.late,
                          late_at=args.late_at, every=args.every, min_replicas=args.min_replicas,

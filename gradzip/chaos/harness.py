@@ -1,6 +1,6 @@
 """One chaos run: ``groups`` replica groups of ``--sync ftdiloco`` (each a ``gradzip train --backend
-gloo --workers 1`` process), a Lighthouse process that outlives them, and the faults of
-:mod:`gradzip.chaos.schedule` injected on time.
+gloo --workers R`` run of ``ranks`` = R ranks, DDP inside it), a Lighthouse process that outlives
+them, and the faults of :mod:`gradzip.chaos.schedule` injected on time.
 
 Placement: with ``hosts`` > 0 the run builds (or reuses) the emulated testbed of
 :mod:`gradzip.netem` with that many hosts at ``link_rate``; group g runs inside host g mod hosts's
@@ -61,6 +61,7 @@ class Settings:
 
     out: str
     groups: int = 4
+    ranks: int = 1  # gloo ranks per group (DDP inside it)
     hosts: int = 2
     link_rate: str = "100mbit"
     duration: float = 180.0
@@ -268,7 +269,7 @@ class Harness:
             sync += f",host={self._addr(host)}"
         if standby:
             sync += f",standby={out / GO_FILE}"
-        cmd = [*self._prefix(host), s.python, "-m", "gradzip", "train", "--backend", "gloo", "--workers", "1",
+        cmd = [*self._prefix(host), s.python, "-m", "gradzip", "train", "--backend", "gloo", "--workers", str(s.ranks),
                "--model", s.model, "--compressor", s.compressor, "--sync", sync, "--batch-size", str(s.batch_size),
                "--seq-len", str(s.seq_len), "--seed", str(s.train_seed + g + 1000 * inc), "--steps", "1000000",
                "--timeout", f"{s.timeout:g}", "--eval-every", str(s.every), "--no-progress", "--out", str(out),
