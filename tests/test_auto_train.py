@@ -73,8 +73,13 @@ def test_warmup_then_plan_and_resume_keeps_the_plan(tmp_path, corpus):
     assert main(["train", *TINY, "--corpus", str(corpus), *args, "--stop-at", "2", "--out", str(out)]) == 0
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     resumed = read_metrics(out / "metrics.jsonl")
-    assert [r["bytes_sent"] for r in resumed] == [r["bytes_sent"] for r in metrics]  # the plan came back
-    assert json.loads((out / "summary.json").read_text())["auto_plans"] == 1
+    cut = [json.loads(x) for x in (out / "policy.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in cut] == [2] and json.loads((out / "summary.json").read_text())["auto_plans"] == 1
+    sent = [r["bytes_sent"] for r in resumed]
+    assert sent[:2] == [r["bytes_sent"] for r in metrics][:2] and sent[2] == sent[3]  # the plan came back
+    # The cut run planned from its own measurement: the same plan as the full run's, the same bytes.
+    if [b["candidate"] for b in cut[0]["buckets"]] == [b["candidate"] for b in policy[0]["buckets"]]:
+        assert sent == [r["bytes_sent"] for r in metrics]
 
 
 def test_hierarchical_plans_with_both_links(tmp_path, corpus):

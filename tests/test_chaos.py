@@ -189,6 +189,22 @@ def test_compare_divides_by_the_baseline_and_asks_the_model(tmp_path):
         assert (tmp_path / "cmp" / name).stat().st_size > 0
 
 
+def test_compare_models_sparseloco_runs_and_refuses_mixed_modes(tmp_path, capsys):
+    from gradzip.chaos import compare
+
+    for name, rate in (("f0", 0.0), ("f6", 6.0)):
+        _write_run(tmp_path / name, rate=rate)
+        st = json.loads((tmp_path / name / "settings.json").read_text())
+        (tmp_path / name / "settings.json").write_text(json.dumps({**st, "mode": "ftsparseloco", "compressor": ""}))
+    res = compare.compare([str(tmp_path / "f0"), str(tmp_path / "f6")], tmp_path / "cmp")
+    cmd = res["runs"][1]["model_command"]
+    assert "--sync sparseloco:every=4" in cmd and "--compressor" not in cmd and 0 < res["runs"][1]["model_goodput"] < 1
+    _write_run(tmp_path / "dl", rate=0.0)  # an ftdiloco run (no mode in its settings: the default)
+    assert main(["chaos", "compare", str(tmp_path / "f0"), str(tmp_path / "dl"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mix --mode ftdiloco and ftsparseloco" in err
+
+
 # ---------------------------------------------------------------------- the partition, on the testbed
 @pytest.mark.root
 @pytest.mark.distributed
@@ -311,6 +327,7 @@ def test_a_restart_brings_in_a_built_spare_and_starts_another(tmp_path):
     (["--late", "4"], "--late"),
     (["--ranks", "0"], "--ranks"),
     (["--warm-spare", "-1"], "--warm-spare"),
+    (["--mode", "ftsparseloco", "--compressor", "topk"], "own codec"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, words):
     assert main(["chaos", "run", "--out", str(tmp_path / "x"), *argv]) == 2

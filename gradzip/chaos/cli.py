@@ -58,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "has not asked for the quorum yet (default 10000)")
     a("--port", type=int, default=29510, help="the Lighthouse's port on host 0 (default 29510)")
     a("--model", default="bert-tiny")
-    a("--compressor", default="topk:ratio=0.01,ef=true")
+    a("--mode", choices=("ftdiloco", "ftsparseloco"), default="ftdiloco", help="the groups' --sync mode: "
+      "DiLoCo through --compressor, or SparseLoCo with its own codec (default ftdiloco)")
+    a("--compressor", default=None, help="ftdiloco's compressor (default topk:ratio=0.01,ef=true); not with "
+      "--mode ftsparseloco")
     a("--batch-size", type=int, default=8)
     a("--seq-len", type=int, default=64)
     a("--train-seed", type=int, default=1, help="group g's --seed is this + g (+ 1000 per restart)")
@@ -98,6 +101,9 @@ def settings(args: argparse.Namespace) -> Any:
     for name in ("duration", "recovery", "stall", "partition", "late_at", "timeout"):
         if not getattr(args, name) > 0:
             raise GradzipError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name):g}")
+    if args.mode == "ftsparseloco" and args.compressor is not None:
+        raise GradzipError(f"--mode ftsparseloco sends its own codec: drop --compressor {args.compressor}")
+    compressor = "" if args.mode == "ftsparseloco" else args.compressor or "topk:ratio=0.01,ef=true"
     if args.ranks < 1:
         raise GradzipError(f"--ranks must be >= 1 gloo ranks per group, got {args.ranks}")
     if args.warm_spare < 0:
@@ -120,10 +126,10 @@ def settings(args: argparse.Namespace) -> Any:
                          recovery=args.recovery, stall=args.stall, partition=args.partition, late=args.late,
                          late_at=args.late_at, every=args.every, min_replicas=args.min_replicas,
                          timeout=args.timeout, heartbeat_ms=args.heartbeat_ms, join_timeout_ms=args.join_timeout_ms,
-                         port=args.port, prefix=args.prefix, model=args.model, compressor=args.compressor,
+                         port=args.port, prefix=args.prefix, model=args.model, compressor=compressor,
                          batch_size=args.batch_size, seq_len=args.seq_len, train_seed=args.train_seed,
                          train_args=shlex.split(args.train_args), control_priority=args.control_priority == "on",
-                         probe_control=args.probe_control, warm_spare=args.warm_spare)
+                         probe_control=args.probe_control, warm_spare=args.warm_spare, mode=args.mode)
     s.faults()  # the rate, checked
     return s
 

@@ -5,7 +5,8 @@ The runs at 0 faults a minute are the baseline: their mean goodput is the denomi
 ``goodput_ratio``, and their held-out losses (each run's mean over its window's last minute:
 ``held_out.late_mean``) give the seed spread. For every run with faults the
 model is asked through ``gradzip simulate --json`` with that run's settings: its replicas (4 groups
-= 2 nodes × 2), link rate, compressor, H and ``--min-replicas``, and three inputs taken from the
+= 2 nodes × 2), link rate, compressor (``--sync sparseloco`` for ``ftsparseloco`` runs), H and
+``--min-replicas``, and three inputs taken from the
 measurement:
 
 - ``--tokens-per-second``: batch tokens × H / the baseline's round (its median time between
@@ -51,8 +52,10 @@ def simulate(s: dict[str, Any], faults_per_minute: float, round_s: float, recove
     tps = s["batch_size"] * s["seq_len"] * s["every"] / round_s
     argv = ["--model", s["model"], "--nodes", str(hosts), "--gpus-per-node", str(s["groups"] // hosts),
             "--inter-bandwidth", s["link_rate"], "--link-efficiency", "0.956", "--tokens-per-second", f"{tps:.3f}",
-            "--batch-size", str(s["batch_size"]), "--seq-len", str(s["seq_len"]), "--compressor", s["compressor"],
-            "--sync", f"diloco:every={s['every']}", "--json", "--failures-per-minute", f"{faults_per_minute:g}",
+            "--batch-size", str(s["batch_size"]), "--seq-len", str(s["seq_len"]),
+            *(["--sync", f"sparseloco:every={s['every']}"] if s.get("mode") == "ftsparseloco" else
+              ["--compressor", s["compressor"], "--sync", f"diloco:every={s['every']}"]),
+            "--json", "--failures-per-minute", f"{faults_per_minute:g}",
             "--recovery", f"{recovery_s:.2f}s", "--min-replicas", str(s["min_replicas"])]
     if faults_per_minute == 0:  # the fault-free run is the model's unit
         return {"command": None, "goodput": 1.0, "participation": 1.0, "round_s": round_s, "absent_s": None}
@@ -70,6 +73,10 @@ def compare(runs: list[str], out: str | Path) -> dict[str, Any]:
     """Every run's verdicts against the baseline and the model; writes ``compare.json``,
     ``compare.md`` and the figures into ``out``."""
     sums = [_summary(r) for r in runs]
+    modes = sorted({s["settings"].get("mode", "ftdiloco") for s in sums})
+    if len(modes) > 1:
+        raise GradzipError(f"the runs mix --mode {' and '.join(modes)}: compare the runs of one mode at a time "
+                           "(each against its own fault-free runs)")
     base = [s for s in sums if s["settings"]["rate"] == 0]
     if not base:
         raise GradzipError("gradzip chaos compare needs at least one run at --faults-per-minute 0 (the baseline)")

@@ -1,4 +1,4 @@
-"""One chaos run: ``groups`` replica groups of ``--sync ftdiloco`` (each a ``gradzip train --backend
+"""One chaos run: ``groups`` replica groups of ``--sync ftdiloco`` or ``ftsparseloco`` (each a ``gradzip train --backend
 gloo --workers R`` run of ``ranks`` = R ranks, DDP inside it), a Lighthouse process that outlives
 them, and the faults of :mod:`gradzip.chaos.schedule` injected on time.
 
@@ -81,7 +81,8 @@ class Settings:
     port: int = 29510
     prefix: str = "chaos"
     model: str = "bert-tiny"
-    compressor: str = "topk:ratio=0.01,ef=true"
+    compressor: str = "topk:ratio=0.01,ef=true"  # "" under ftsparseloco (its codec is its own)
+    mode: str = "ftdiloco"  # the groups' --sync mode: ftdiloco or ftsparseloco
     batch_size: int = 8
     seq_len: int = 64
     train_seed: int = 1
@@ -263,14 +264,15 @@ class Harness:
         out.mkdir(parents=True, exist_ok=True)
         host = g % max(s.hosts, 1)
         founders = s.groups - s.late
-        sync = (f"ftdiloco:every={s.every},groups={founders if g < founders else s.groups},group={g},"
+        sync = (f"{s.mode}:every={s.every},groups={founders if g < founders else s.groups},group={g},"
                 f"min_replicas={s.min_replicas},lighthouse={self.lighthouse_addr}")
         if self.tb is not None:
             sync += f",host={self._addr(host)}"
         if standby:
             sync += f",standby={out / GO_FILE}"
         cmd = [*self._prefix(host), s.python, "-m", "gradzip", "train", "--backend", "gloo", "--workers", str(s.ranks),
-               "--model", s.model, "--compressor", s.compressor, "--sync", sync, "--batch-size", str(s.batch_size),
+               "--model", s.model, *(["--compressor", s.compressor] if s.compressor else []), "--sync", sync,
+               "--batch-size", str(s.batch_size),
                "--seq-len", str(s.seq_len), "--seed", str(s.train_seed + g + 1000 * inc), "--steps", "1000000",
                "--timeout", f"{s.timeout:g}", "--eval-every", str(s.every), "--no-progress", "--out", str(out),
                *s.train_args]
