@@ -21,6 +21,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from gradzip.cli import main  # noqa: E402
 from gradzip.engine import _ft  # noqa: E402
+from gradzip.errors import GradzipError  # noqa: E402
 from gradzip.training.metrics import read_metrics  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -423,7 +424,8 @@ def train(tmp_path: Path, sync: str, *extra: str) -> int:
 @pytest.mark.timeout(60)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     with socket_closed() as port:
-        assert train(tmp_path, f"ftdiloco:every=2,groups=2,lighthouse=http://127.0.0.1:{port}") == 2
+        assert train(tmp_path, f"ftdiloco:every=2,groups=2,lighthouse=http://127.0.0.1:{port},lighthouse_wait=0.5") == 2
+    assert train(tmp_path, "ftdiloco:every=2,groups=2,lighthouse_wait=soon") == 2
     assert train(tmp_path, "ftdiloco:every=2,groups=2,min_replicas=3") == 2
     assert train(tmp_path, "ftdiloco:every=4,fragments=2,delay=1") == 2
     assert train(tmp_path, "ftsparseloco:groups=2", "--compressor", "topk") == 2
@@ -432,14 +434,50 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # the ft extra missing
     assert train(tmp_path, "ftdiloco:every=2,groups=2") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 7 and "Traceback" not in "".join(err)
-    assert "no torchft Lighthouse answers at http://127.0.0.1:" in err[0]
+    assert len(err) == 8 and "Traceback" not in "".join(err)
+    assert "no torchft Lighthouse answers at http://127.0.0.1:" in err[0] and "after 0.5 s" in err[0]
+    assert "lighthouse_wait=soon must be a number of seconds >= 0" in err[1]
+    err = err[:1] + err[2:]
     assert "min_replicas=3 must be in [1, groups=2]" in err[1]
     assert "--sync ftdiloco: delay=1 is not fault-tolerant" in err[2]
     assert "--sync ftsparseloco sends its own codec" in err[3]
     assert "--sync ftsparseloco runs each replica group as its own run on --backend gloo" in err[4]
     assert "--sync ftdiloco replicates the model inside a replica group" in err[5] and "--fsdp" in err[5]
     assert err[6].endswith('fault tolerance needs torchft: pip install "gradzip[ft]"')
+
+
+@pytest.mark.timeout(60)
+def test_a_group_waits_for_a_lighthouse_that_starts_late():
+    """``lighthouse_wait``: an address that starts answering within the wait is accepted (groups
+    started together wait for the one that starts the Lighthouse); one that never does is refused
+    after the wait, not before."""
+    import socket
+    import threading
+
+    with socket_closed() as port:
+        pass
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_late() -> None:
+        time.sleep(0.8)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+
+    t = threading.Thread(target=listen_late)
+    t.start()
+    try:
+        with pytest.raises(GradzipError, match="no torchft Lighthouse answers"):
+            _ft.check_lighthouse(f"http://127.0.0.1:{port}", wait=0.0)
+        _ft.check_lighthouse(f"http://127.0.0.1:{port}", wait=20.0)
+    finally:
+        t.join()
+        listener.close()
+    with socket_closed() as closed:
+        t0 = time.monotonic()
+        with pytest.raises(GradzipError, match=r"after 0\.6 s"):
+            _ft.check_lighthouse(f"http://127.0.0.1:{closed}", wait=0.6)
+        assert time.monotonic() - t0 >= 0.5
 
 
 class socket_closed:

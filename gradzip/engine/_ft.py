@@ -62,18 +62,26 @@ def await_file(path: Path, poll: float = 0.05) -> None:
         time.sleep(poll)
 
 
-def check_lighthouse(addr: str, timeout: float = 5.0) -> None:
-    """A :class:`GradzipError` (one line) unless something answers at ``addr`` (``http://host:port``)."""
+def check_lighthouse(addr: str, wait: float = 0.0, timeout: float = 5.0) -> None:
+    """A :class:`GradzipError` (one line) unless something answers at ``addr`` (``http://host:port``)
+    within ``wait`` seconds (tried every 0.25 s: groups started together wait for the one that
+    starts the Lighthouse)."""
     if not addr.startswith(("http://", "https://")):
         raise GradzipError(f"lighthouse address {addr!r} must look like http://HOST:PORT")
     hostport = addr.split("://", 1)[1].rstrip("/")
     host, _, port = hostport.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
-            pass
-    except (OSError, ValueError) as e:
-        raise GradzipError(f"no torchft Lighthouse answers at {addr} ({e.__class__.__name__}); start one "
-                           "(torchft_lighthouse --min_replicas N) or give lighthouse=local") from None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+                return
+        except (OSError, ValueError) as e:
+            if isinstance(e, ValueError) or time.monotonic() + 0.25 > deadline:
+                waited = f" after {wait:g} s" if wait > 0 else ""
+                raise GradzipError(f"no torchft Lighthouse answers at {addr}{waited} ({e.__class__.__name__}); "
+                                   "start one (torchft_lighthouse --min_replicas N), give lighthouse=local, or "
+                                   "wait longer for it (lighthouse_wait=S)") from None
+        time.sleep(0.25)
 
 
 class _Recorder:

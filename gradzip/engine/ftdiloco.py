@@ -78,7 +78,8 @@ class FTDiLoCo(FragmentExchange):
     ``standby``: a warm spare: everything is built, then the group waits until this file exists
     before its Manager starts (and so before the Lighthouse sees it). ``local``: the communicator
     of the replica group's own ranks when it has several (DDP inside the group, module docstring);
-    None: a group of one rank."""
+    None: a group of one rank. ``lighthouse_wait``: seconds to wait for a Lighthouse given by address
+    to answer (groups started together wait for the one that starts it)."""
 
     eval_on_every_rank = False
     mode = "ftdiloco"  # the --sync mode, in messages
@@ -87,7 +88,8 @@ class FTDiLoCo(FragmentExchange):
                  every: int, compressor: str = "none", *, groups: int, group: int, lighthouse: str,
                  min_replicas: int = 1, lighthouse_port: int = 29510, timeout: float = 30.0,
                  log: str | Path | None = None, guard: bool = True, fragments: int = 1,
-                 host: str | None = None, standby: str | Path | None = None, local: Any = None) -> None:
+                 host: str | None = None, standby: str | Path | None = None, local: Any = None,
+                 lighthouse_wait: float = 0.0) -> None:
         if groups < 1 or not 0 <= group < groups:
             raise GradzipError(f"--sync {self.mode}: group={group} must be in [0, groups={groups})")
         if not 1 <= min_replicas <= groups:
@@ -131,7 +133,7 @@ class FTDiLoCo(FragmentExchange):
                 port = self._share_port(int(lighthouse.rsplit(":", 1)[1]) if server is not None else 0)
                 lighthouse = lighthouse if server is not None else f"http://{host or '127.0.0.1'}:{port}"
         else:
-            _ft.check_lighthouse(lighthouse)
+            _ft.check_lighthouse(lighthouse, wait=lighthouse_wait)
         self.ft = _ft.make_group(f"gradzip_group_{group}", lighthouse, min_replicas, self._load_peer,
                                  self._peer_state, timeout, host=host, rank=self.rank, world=self.size,
                                  share_port=self._share_port)
@@ -382,14 +384,15 @@ class FTDiLoCo(FragmentExchange):
 
 
 # The keys every fault-tolerant mode takes, after its own (ftsparseloco's: gradzip/engine/ftsparseloco.py).
-FT_KEYS = ("groups", "group", "min_replicas", "lighthouse", "lighthouse_port", "host", "standby")
-FT_DEFAULTS = {"groups": "1", "group": "0", "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510"}
+FT_KEYS = ("groups", "group", "min_replicas", "lighthouse", "lighthouse_port", "lighthouse_wait", "host", "standby")
+FT_DEFAULTS = {"groups": "1", "group": "0", "min_replicas": "1", "lighthouse": "local", "lighthouse_port": "29510",
+               "lighthouse_wait": "30"}
 
 
 def options(sync: SyncSpec) -> dict[str, Any]:
     """A fault-tolerant mode's own keys, typed and checked: groups, group, min_replicas,
-    lighthouse, lighthouse_port, host, standby; and delay = 0. A :class:`GradzipError` (one line) for a value
-    out of range."""
+    lighthouse, lighthouse_port, lighthouse_wait, host, standby; and delay = 0. A
+    :class:`GradzipError` (one line) for a value out of range."""
     opts, mode = dict(sync.options), sync.mode
     try:
         groups, group, floor, port = (int(opts[k]) for k in ("groups", "group", "min_replicas", "lighthouse_port"))
@@ -402,19 +405,27 @@ def options(sync: SyncSpec) -> dict[str, Any]:
     if not 1 <= floor <= groups:
         raise GradzipError(f"--sync {mode}: min_replicas={floor} must be in [1, groups={groups}]; "
                            "a quorum cannot hold more replica groups than the run has")
+    try:
+        wait = float(opts["lighthouse_wait"])
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait < float("inf"):
+        raise GradzipError(f"--sync {mode}: lighthouse_wait={opts['lighthouse_wait']} must be a number of seconds >= 0")
     if sync.delay:
         raise GradzipError(f"--sync {mode}: delay={sync.delay} is not fault-tolerant: a fragment is applied at the "
                            "step it is sent, inside its quorum and commit; give delay=0")
     return {"groups": groups, "group": group, "min_replicas": floor, "lighthouse": opts["lighthouse"],
-            "lighthouse_port": port, "host": opts.get("host") or None, "standby": opts.get("standby") or None}
+            "lighthouse_port": port, "lighthouse_wait": wait, "host": opts.get("host") or None,
+            "standby": opts.get("standby") or None}
 
 
 def check_reachable(sync: SyncSpec) -> None:
     """What this machine must offer a fault-tolerant run: torchft installed (the ``ft`` extra)
     and, unless ``lighthouse=local``, a Lighthouse answering at its address; one line otherwise."""
     _ft.torchft()
-    if (addr := dict(sync.options)["lighthouse"]) != "local":
-        _ft.check_lighthouse(addr)
+    o = options(sync)
+    if (addr := o["lighthouse"]) != "local":
+        _ft.check_lighthouse(addr, wait=o["lighthouse_wait"])
 
 
 def group_kwargs(target: Any, s: SyncSettings) -> dict[str, Any]:
@@ -427,7 +438,7 @@ def group_kwargs(target: Any, s: SyncSettings) -> dict[str, Any]:
     o = options(s.sync)
     return {"groups": o["groups"], "group": o["group"], "lighthouse": o["lighthouse"],
             "min_replicas": o["min_replicas"], "lighthouse_port": o["lighthouse_port"], "host": o["host"],
-            "standby": o["standby"], "timeout": s.timeout or 30.0,
+            "standby": o["standby"], "lighthouse_wait": o["lighthouse_wait"], "timeout": s.timeout or 30.0,
             "log": Path(s.log_dir) / "ft.jsonl" if s.log_dir else None,
             "local": target if target.world_size > 1 else None}
 
