@@ -49,8 +49,10 @@ def ddp_hook(spec: str, process_group=None, **kwargs):
 
 
 def __getattr__(name: str):
-    """``gradzip.DiLoCo`` and ``gradzip.LocalSGD`` (:mod:`gradzip.engine.diloco`) and
-    ``gradzip.fsdp_compress`` (:mod:`gradzip.engine.fsdp`), imported on use."""
+    """``gradzip.DiLoCo`` and ``gradzip.LocalSGD`` (:mod:`gradzip.engine.diloco`),
+    ``gradzip.fsdp_compress`` (:mod:`gradzip.engine.fsdp`), and the fault-tolerant outer syncs on
+    torchft (the ``ft`` extra): ``gradzip.FTDiLoCo``, ``gradzip.FTSparseLoCo`` and
+    ``gradzip.start_lighthouse``, imported on use."""
     if name in ("DiLoCo", "LocalSGD"):
         from gradzip.engine import diloco
 
@@ -59,4 +61,16 @@ def __getattr__(name: str):
         from gradzip.engine.fsdp import fsdp_compress
 
         return fsdp_compress
+    if name == "FTDiLoCo":
+        from gradzip.engine.ftdiloco import FTDiLoCo
+
+        return FTDiLoCo
+    if name == "FTSparseLoCo":
+        from gradzip.engine.ftsparseloco import FTSparseLoCo
+
+        return FTSparseLoCo
+    if name == "start_lighthouse":
+        from gradzip.engine._ft import start_lighthouse
+
+        return start_lighthouse
     raise AttributeError(f"module 'gradzip' has no attribute {name!r}")

@@ -546,3 +546,18 @@ def port_open(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def test_the_fault_tolerant_syncs_are_public_names():
+    """``gradzip.FTDiLoCo``, ``gradzip.FTSparseLoCo`` and ``gradzip.start_lighthouse`` (the names
+    the manual gives for a user's own loop) are the engine's, and the Lighthouse answers."""
+    import gradzip
+    from gradzip.engine.ftdiloco import FTDiLoCo
+    from gradzip.engine.ftsparseloco import FTSparseLoCo
+
+    assert gradzip.FTDiLoCo is FTDiLoCo and gradzip.FTSparseLoCo is FTSparseLoCo
+    server = gradzip.start_lighthouse(1)
+    try:
+        _ft.check_lighthouse(server.address())
+    finally:
+        server.shutdown()
