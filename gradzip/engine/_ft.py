@@ -73,7 +73,8 @@ def check_lighthouse(addr: str, wait: float = 0.0, timeout: float = 5.0) -> None
     deadline = time.monotonic() + wait
     while True:
         try:
-            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+            left = max(deadline - time.monotonic(), 1.0)  # an address that drops packets: about the wait
+            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=min(timeout, left)):
                 return
         except (OSError, ValueError) as e:
             if isinstance(e, ValueError) or time.monotonic() + 0.25 > deadline:
